@@ -1,0 +1,53 @@
+# The README's two commands:  `make main` (set up, run the main job)  and  `make test` (set up, run all tests).
+VENV ?= .venv
+PYTHON ?= python3
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+
+.PHONY: setup main test test-export test-readme test-site test-nbs test-py readme site nbs clean
+
+setup: $(VENV)/.installed
+
+# PyTorch first, pinned: an unpinned torch pulled in by a dependency would fetch a multi-GB CUDA build.
+$(VENV)/.installed: setup.py settings.ini
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[dev,docs]"
+	touch $@
+
+main: setup
+	$(BIN)/tunelit run full_finetune_single_device --config tiny/full
+
+# (a) export sync, README sync, (d) site build, (b) every notebook, (c) pytest -- pytest's summary line last.
+test: setup test-export test-readme test-site test-nbs test-py
+
+test-export:
+	$(BIN)/python tests/check_export_sync.py
+
+test-readme:
+	$(BIN)/python docs/make_readme.py --check
+
+test-site:
+	$(BIN)/python docs/build_site.py
+
+test-nbs:
+	cd nbs && ../$(BIN)/nbdev_test --n_workers 2 --timing
+
+test-py:
+	$(BIN)/python -m pytest tests/ -q
+
+readme: setup
+	$(BIN)/python docs/make_readme.py
+
+site: setup
+	$(BIN)/python docs/build_site.py
+
+# Re-run every chapter and save its outputs (plots), then strip noise for clean diffs.
+nbs: setup
+	$(BIN)/nbdev_export
+	$(BIN)/python docs/execute_notebooks.py
+	$(BIN)/nbdev_clean
+
+clean:
+	rm -rf _proc docs/_build

@@ -1,0 +1,124 @@
+"""The `tunelit` console script, as a user runs it: a real subprocess, real files, real exit codes."""
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from torchtune_lit._recipe_registry import get_all_recipes, resolve_config_path
+from torchtune_lit.models.tiny import tiny_llama
+
+TUNELIT = str(Path(sys.executable).parent / "tunelit")
+
+
+def tunelit(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([TUNELIT, *args], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **(env or {})})
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str, one_line: bool = True) -> None:
+    "Exit code 1, no traceback, one line on stderr (a list for `validate`) containing every fragment."
+    assert result.returncode == 1, (result.returncode, result.stdout, result.stderr)
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = [l for l in result.stderr.splitlines() if l.strip() and "Failed to load" not in l]
+    assert len(lines) == 1 or not one_line, result.stderr
+    for fragment in fragments:
+        assert fragment in "\n".join(lines), (fragment, lines)
+
+
+def test_ls_lists_every_recipe_and_config():
+    result = tunelit("ls")
+    assert result.returncode == 0
+    for recipe in get_all_recipes():
+        assert recipe.name in result.stdout
+        for config in recipe.configs:
+            assert config.name in result.stdout
+
+
+@pytest.mark.parametrize("config", [c.name for r in get_all_recipes() for c in r.configs])
+def test_every_builtin_config_validates(config):
+    result = tunelit("validate", "--config", config)
+    assert result.returncode == 0 and "Config is well-formed!" in result.stdout, result.stderr
+
+
+def test_run_trains_and_writes_log_and_model(tmp_path):
+    out = tmp_path / "run"
+    result = tunelit("run", "full_finetune_single_device", "--config", "tiny/full", "epochs=2",
+                     f"output_dir={out}", "progress_bar=false")
+    assert result.returncode == 0, result.stderr
+    log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    # 5,664 bytes -> 44 windows of 128 -> 5 full batches of 8 per epoch
+    assert [r["step"] for r in log] == list(range(1, 11))
+    assert {"step", "loss", "lr", "tokens_per_second"} <= set(log[0])
+    assert abs(log[0]["loss"] - math.log(256)) < 0.3 and log[-1]["loss"] < log[0]["loss"] - 1.0
+    state = load_file(out / "model.safetensors")
+    model = tiny_llama(vocab_size=256, max_seq_len=256)
+    assert set(state) == set(model.state_dict())
+    model.load_state_dict(state)
+
+
+def test_copied_recipe_and_config_run_as_user_files(tmp_path):
+    assert tunelit("cp", "full_finetune_single_device", str(tmp_path / "my_recipe.py")).returncode == 0
+    assert tunelit("cp", "tiny/full", str(tmp_path / "my.yaml")).returncode == 0
+    assert (tmp_path / "my.yaml").read_bytes() == resolve_config_path("tiny/full").read_bytes()
+    result = tunelit("run", str(tmp_path / "my_recipe.py"), "--config", str(tmp_path / "my.yaml"),
+                     "max_steps_per_epoch=1", "epochs=1", f"output_dir={tmp_path / 'out'}", "progress_bar=false")
+    assert result.returncode == 0, result.stderr
+    assert len((tmp_path / "out" / "log.jsonl").read_text().splitlines()) == 1
+
+
+def test_cp_refuses_to_overwrite(tmp_path):
+    (tmp_path / "x.yaml").write_text("keep me")
+    assert_one_line_error(tunelit("cp", "tiny/full", str(tmp_path / "x.yaml")), "already exists", "--force")
+    assert (tmp_path / "x.yaml").read_text() == "keep me"
+
+
+def test_cat_applies_overrides():
+    result = tunelit("cat", "--config", "tiny/full", "batch_size=2", "optimizer.lr=5e-4", "~max_steps_per_epoch")
+    assert result.returncode == 0
+    assert "batch_size: 2" in result.stdout and "lr: 0.0005" in result.stdout
+    assert "max_steps_per_epoch" not in result.stdout
+
+
+def test_unknown_recipe():
+    assert_one_line_error(tunelit("run", "full_finetune_singel_device", "--config", "tiny/full"),
+                          "Unknown recipe", "'full_finetune_single_device'")
+
+
+def test_missing_config(tmp_path):
+    assert_one_line_error(tunelit("run", "full_finetune_single_device", "--config", str(tmp_path / "nope.yaml")),
+                          "does not exist")
+    assert_one_line_error(tunelit("validate", "--config", "tiny/fll"), "Unknown config", "'tiny/full'")
+
+
+def test_bad_override():
+    assert_one_line_error(tunelit("run", "full_finetune_single_device", "--config", "tiny/full", "epochs"),
+                          "Bad override 'epochs'", "no '='")
+    assert_one_line_error(tunelit("validate", "--config", "tiny/full", "~nothing_here"), "no key 'nothing_here'")
+
+
+def test_unknown_component(tmp_path):
+    result = tunelit("run", "full_finetune_single_device", "--config", "tiny/full", f"output_dir={tmp_path}",
+                     "model._component_=torchtune_lit.models.tiny.tiny_lama")
+    assert_one_line_error(result, "model._component_", "'tiny_llama'")
+    assert_one_line_error(tunelit("validate", "--config", "tiny/full", "optimizer.lr_rate=1"),
+                          "1 problem(s)", "no argument 'lr_rate'", one_line=False)
+
+
+def test_single_device_recipe_refuses_torchrun():
+    assert_one_line_error(tunelit("run", "--nproc_per_node", "2", "full_finetune_single_device", "--config", "tiny/full"),
+                          "single device")
+
+
+def test_download_without_hub_is_one_line(tmp_path):
+    result = tunelit("download", "meta-llama/Llama-3.2-1B", "--output-dir", str(tmp_path / "m"),
+                     env={"HF_HUB_OFFLINE": "1"})
+    assert_one_line_error(result, "cannot reach the Hugging Face Hub")
+    result = tunelit("download", "meta-llama/Llama-3.2-1B", "--output-dir", str(tmp_path / "m"),
+                     env={"HF_ENDPOINT": "http://127.0.0.1:9", "HF_TOKEN": "hf_secret_never_printed"})
+    assert_one_line_error(result, "cannot reach the Hugging Face Hub")
+    assert "hf_secret_never_printed" not in result.stderr + result.stdout
