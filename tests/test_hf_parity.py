@@ -1,0 +1,155 @@
+"""Our models against transformers on checkpoints that transformers itself writes.
+
+For each family: a small model with *large random* weights (transformers' default initialisation is near zero,
+which would hide a swapped norm or a missing RoPE permutation) is written with `save_pretrained`, loaded through
+`FullModelHFCheckpointer` into the model `build_from_hf_config` builds, and must give transformers' logits within
+1e-4 in fp32 — for a full forward, and token by token with the KV cache. The size builders are checked against
+transformers models built from the published configs on the meta device (no weights, no memory).
+"""
+import math
+
+import pytest
+import torch
+import transformers
+
+from torchtune_lit.models import build_from_hf_config
+from torchtune_lit.models.convert_weights import hf_to_tune
+from torchtune_lit.training import FullModelHFCheckpointer, load_model_state_dict
+
+SMALL = dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256)
+
+FAMILIES = {
+    "llama3": (transformers.LlamaConfig, "LLAMA3",
+               dict(rope_parameters={"rope_type": "default", "rope_theta": 500_000.0}, rms_norm_eps=1e-5)),
+    "llama3_2_scaled_rope_tied": (transformers.LlamaConfig, "LLAMA3_2",
+               dict(tie_word_embeddings=True, head_dim=16, num_attention_heads=2, num_key_value_heads=1,
+                    rope_parameters={"rope_type": "llama3", "rope_theta": 500_000.0, "factor": 32.0,
+                                     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                     "original_max_position_embeddings": 64})),
+    "qwen2_5_bias_tied": (transformers.Qwen2Config, "QWEN2",
+               dict(tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+                    rms_norm_eps=1e-6)),
+    "mistral_window_head_dim": (transformers.MistralConfig, "MISTRAL",
+               dict(sliding_window=4, head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})),
+    "gemma2_softcap_window": (transformers.Gemma2Config, "GEMMA2",
+               dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=4, attn_logit_softcapping=50.0,
+                    final_logit_softcapping=30.0, rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})),
+}
+
+
+def randomize_(model: torch.nn.Module, seed: int = 0) -> None:
+    "Large random weights: unit-scale matrices, biases, and norm gains far from their initial value."
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if name.endswith("norm.weight"):
+                p.copy_(0.5 * noise if isinstance(model, transformers.Gemma2ForCausalLM) else 1.0 + 0.5 * noise)
+            elif p.dim() == 1:
+                p.copy_(0.5 * noise)
+            else:
+                p.copy_(noise / math.sqrt(p.shape[-1]) * (1.0 if "embed" in name else 1.5))
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory):
+    "(our model, transformers model, name) for one family, loaded through our checkpointer."
+    config_cls, model_type, extra = FAMILIES[request.param]
+    config = config_cls(**{**SMALL, **extra}, attn_implementation="eager")
+    torch.manual_seed(0)
+    hf_model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    randomize_(hf_model)
+    folder = tmp_path_factory.mktemp(request.param)
+    hf_model.save_pretrained(folder)
+    state = FullModelHFCheckpointer(folder, model_type=model_type).load_checkpoint()["model"]
+    ours = build_from_hf_config(folder).eval()
+    load_model_state_dict(ours, state)
+    return ours, hf_model, request.param
+
+
+def test_full_forward_logits_match_transformers(family):
+    ours, hf_model, name = family
+    tokens = torch.randint(0, SMALL["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = hf_model(tokens).logits
+        actual = ours(tokens)
+    assert expected.abs().max() > 1.0, "weights too small for a meaningful comparison"
+    torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_kv_cache_decoding_matches_transformers_token_by_token(family):
+    ours, hf_model, name = family
+    tokens = torch.randint(0, SMALL["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = hf_model(tokens).logits
+        ours.setup_caches(batch_size=2, dtype=torch.float32)
+        try:
+            steps = [ours(tokens[:, :3])] + [ours(tokens[:, t:t + 1]) for t in range(3, 12)]
+        finally:
+            ours.remove_caches()
+    torch.testing.assert_close(torch.cat(steps, dim=1), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_a_missing_permutation_would_be_caught(family):
+    "The test weights are strong enough that skipping the q/k row permutation changes the logits visibly."
+    ours, hf_model, name = family
+    raw = {k: v for k, v in hf_model.state_dict().items()}
+    wrong = {}
+    for k, v in ours.state_dict().items():
+        wrong[k] = v.clone()
+    q_key = "model.layers.0.self_attn.q_proj.weight"
+    wrong["layers.0.attn.q_proj.weight"] = raw[q_key].clone()       # HF row order: not permuted
+    original = {k: v.clone() for k, v in ours.state_dict().items()}
+    tokens = torch.randint(0, SMALL["vocab_size"], (1, 16), generator=torch.Generator().manual_seed(3))
+    try:
+        ours.load_state_dict(wrong)
+        with torch.no_grad():
+            diff = (ours(tokens) - hf_model(tokens).logits).abs().max()
+    finally:
+        ours.load_state_dict(original)
+    assert diff > 1e-2, diff
+
+
+# Published config.json numbers of each size builder's checkpoint (the fields that shape the weights).
+PUBLISHED = {
+    "llama3.llama3_8b": (transformers.LlamaConfig, dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8)),
+    "llama3_1.llama3_1_8b": (transformers.LlamaConfig, dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                             num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8)),
+    "llama3_2.llama3_2_1b": (transformers.LlamaConfig, dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                             num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True)),
+    "llama3_2.llama3_2_3b": (transformers.LlamaConfig, dict(vocab_size=128256, hidden_size=3072, intermediate_size=8192,
+                             num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8, tie_word_embeddings=True)),
+    "qwen2_5.qwen2_5_0_5b": (transformers.Qwen2Config, dict(vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                             num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True)),
+    "qwen2_5.qwen2_5_1_5b": (transformers.Qwen2Config, dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+                             num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True)),
+    "qwen2_5.qwen2_5_3b": (transformers.Qwen2Config, dict(vocab_size=151936, hidden_size=2048, intermediate_size=11008,
+                           num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2, tie_word_embeddings=True)),
+    "qwen2_5.qwen2_5_7b": (transformers.Qwen2Config, dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                           num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False)),
+    "mistral.mistral_7b": (transformers.MistralConfig, dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                           num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8)),
+    "gemma2.gemma2_2b": (transformers.Gemma2Config, dict(vocab_size=256000, hidden_size=2304, intermediate_size=9216,
+                         num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4, head_dim=256)),
+    "gemma2.gemma2_9b": (transformers.Gemma2Config, dict(vocab_size=256000, hidden_size=3584, intermediate_size=14336,
+                         num_hidden_layers=42, num_attention_heads=16, num_key_value_heads=8, head_dim=256)),
+}
+
+
+@pytest.mark.parametrize("builder", sorted(PUBLISHED))
+def test_size_builders_have_the_published_shapes(builder):
+    import importlib
+    module_name, fn_name = builder.rsplit(".", 1)
+    config_cls, numbers = PUBLISHED[builder]
+    config = config_cls(**numbers)
+    with torch.device("meta"):
+        ours = getattr(importlib.import_module(f"torchtune_lit.models.{module_name}"), fn_name)()
+        theirs = transformers.AutoModelForCausalLM.from_config(config)
+    converted = hf_to_tune(theirs.state_dict(), num_heads=config.num_attention_heads,
+                           num_kv_heads=config.num_key_value_heads, dim=config.hidden_size,
+                           head_dim=getattr(config, "head_dim", None), model_type=config.model_type,
+                           tie_word_embeddings=config.tie_word_embeddings)
+    assert {k: tuple(v.shape) for k, v in converted.items()} == {k: tuple(v.shape) for k, v in ours.state_dict().items()}
+    assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in theirs.parameters())
