@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['TransformerSelfAttentionLayer', 'TiedLinear', 'TransformerDecoder']
 
-# %% ../../nbs/16_transformer.ipynb #8a8925db
+# %% ../../nbs/16_transformer.ipynb #807e3cb5
 import copy
 from typing import Callable, Optional, Union
 
@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# %% ../../nbs/16_transformer.ipynb #a6b54bb2
+# %% ../../nbs/16_transformer.ipynb #a9b92a69
 class TransformerSelfAttentionLayer(nn.Module):
     """One pre-norm decoder layer: `h = x + attn(sa_norm(x))`, `out = h + mlp(mlp_norm(h))`.
 
@@ -36,7 +36,7 @@ class TransformerSelfAttentionLayer(nn.Module):
         h = x + self.sa_scale(self.attn(normed, normed, mask=mask, input_pos=input_pos))
         return h + self.mlp_scale(self.mlp(self.mlp_norm(h)))
 
-# %% ../../nbs/16_transformer.ipynb #57be8196
+# %% ../../nbs/16_transformer.ipynb #6634c57b
 class TiedLinear:
     "Output projection that reuses `tied_module.weight` (the token embedding); not a module, so the weight is stored once."
 
@@ -50,14 +50,15 @@ class TiedLinear:
     def weight(self) -> torch.Tensor:
         return self.tied_module.weight
 
-# %% ../../nbs/16_transformer.ipynb #74eb7255
+# %% ../../nbs/16_transformer.ipynb #8e26db7c
 class TransformerDecoder(nn.Module):
     """Decoder-only transformer: token embeddings, `layers`, final `norm`, `output` projection to the vocabulary.
 
     `layers` is a list of layers, or one layer copied `num_layers` times. `forward(tokens, *, mask=None,
-    input_pos=None)` takes token ids [batch, seq] and returns fp32 logits [batch, seq, vocab], or a list of
-    `num_output_chunks` chunks of them along the sequence once `set_num_output_chunks` was called.
-    `embed_scale` multiplies the embeddings (Gemma: sqrt(dim)); `final_logit_softcapping` caps the logits."""
+    input_pos=None)` takes token ids [batch, seq] and returns fp32 logits [batch, seq, vocab], or — once
+    `set_num_output_chunks` was called — a list of that many chunks along the sequence, in the model's dtype (the
+    chunked loss upcasts one chunk at a time). `embed_scale` multiplies the embeddings (Gemma: sqrt(dim));
+    `final_logit_softcapping` caps the logits."""
 
     def __init__(self, *, tok_embeddings: nn.Embedding, layers: Union[nn.Module, list, nn.ModuleList],
                  max_seq_len: int, num_heads: int, head_dim: int, norm: nn.Module,
@@ -109,12 +110,12 @@ class TransformerDecoder(nn.Module):
         for layer in self.layers:
             h = layer(h, mask=mask, input_pos=input_pos)
         h = self.norm(h)
-        if self.num_output_chunks > 0:
+        if self.num_output_chunks > 0:  # chunks stay in the model's dtype: the loss upcasts one at a time
             return [self._logits(chunk) for chunk in h.chunk(self.num_output_chunks, dim=1)]
-        return self._logits(h)
+        return self._logits(h).float()
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        logits = self.output(h).float()
+        logits = self.output(h)
         if self.final_logit_softcapping is not None:
             logits = torch.tanh(logits / self.final_logit_softcapping) * self.final_logit_softcapping
         return logits
