@@ -5,13 +5,13 @@
 # %% auto #0
 __all__ = ['KEY_MAPS', 'permute_hf_to_meta', 'permute_meta_to_hf', 'CheckpointConversionError', 'hf_to_tune', 'tune_to_hf']
 
-# %% ../../nbs/30_convert_weights.ipynb #db3d439d
+# %% ../../nbs/30_convert_weights.ipynb #3174e90d
 import re
 from typing import Optional
 
 import torch
 
-# %% ../../nbs/30_convert_weights.ipynb #8d7150e5
+# %% ../../nbs/30_convert_weights.ipynb #1a363d66
 def permute_hf_to_meta(t: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
     "Reorder the rows of a q/k projection weight [heads*head_dim, in] or bias [heads*head_dim] from rotate-half to interleaved pairs."
     rest = t.shape[1:]
@@ -23,7 +23,7 @@ def permute_meta_to_hf(t: torch.Tensor, num_heads: int, head_dim: int) -> torch.
     rest = t.shape[1:]
     return t.reshape(num_heads, head_dim // 2, 2, *rest).transpose(1, 2).reshape(num_heads * head_dim, *rest)
 
-# %% ../../nbs/30_convert_weights.ipynb #a32ed71e
+# %% ../../nbs/30_convert_weights.ipynb #f0f70731
 _COMMON = {
     "model.embed_tokens.weight": "tok_embeddings.weight",
     "model.norm.weight": "norm.scale",
@@ -73,7 +73,7 @@ def _translate(key: str, table: dict[str, str]) -> Optional[str]:
         return None
     return table[generic].format(match.group(1)) if match else table[generic]
 
-# %% ../../nbs/30_convert_weights.ipynb #a6deef0f
+# %% ../../nbs/30_convert_weights.ipynb #bc1af96d
 def hf_to_tune(state_dict: dict[str, torch.Tensor], num_heads: int, num_kv_heads: int, dim: int,
                head_dim: Optional[int] = None, model_type: str = "llama",
                tie_word_embeddings: bool = False) -> dict[str, torch.Tensor]:

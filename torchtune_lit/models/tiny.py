@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['tiny_llama']
 
-# %% ../../nbs/28_tiny.ipynb #4647d38d
+# %% ../../nbs/28_tiny.ipynb #567a1652
 from .llama3 import llama3
 from ..modules.transformer import TransformerDecoder
 

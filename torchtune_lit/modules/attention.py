@@ -5,17 +5,17 @@
 # %% auto #0
 __all__ = ['MultiHeadAttention']
 
-# %% ../../nbs/14_attention.ipynb #c803899d
+# %% ../../nbs/14_attention.ipynb #9fa54393
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-# %% ../../nbs/14_attention.ipynb #113ce09c
+# %% ../../nbs/14_attention.ipynb #1ae845cc
 from .kv_cache import KVCache
 
-# %% ../../nbs/14_attention.ipynb #f303391e
+# %% ../../nbs/14_attention.ipynb #41cdb297
 class MultiHeadAttention(nn.Module):
     """Multi-head attention covering MHA, GQA and MQA (`num_heads` a multiple of `num_kv_heads`).
 

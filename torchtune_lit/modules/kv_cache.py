@@ -5,11 +5,11 @@
 # %% auto #0
 __all__ = ['KVCache']
 
-# %% ../../nbs/13_kv_cache.ipynb #cc162e2e
+# %% ../../nbs/13_kv_cache.ipynb #f9117815
 import torch
 from torch import nn
 
-# %% ../../nbs/13_kv_cache.ipynb #e1e41c6b
+# %% ../../nbs/13_kv_cache.ipynb #8c498b65
 class KVCache(nn.Module):
     """Fixed-size cache of keys and values, [batch, num_kv_heads, max_seq_len, head_dim] each.
 

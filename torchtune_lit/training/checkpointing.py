@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['MODEL_TYPES', 'CheckpointError', 'FullModelHFCheckpointer', 'load_model_state_dict']
 
-# %% ../../nbs/50_checkpointing.ipynb #5c8e8ab4
+# %% ../../nbs/50_checkpointing.ipynb #72ee139d
 import json
 from pathlib import Path
 from typing import Any, Iterable, Optional, Union
@@ -16,7 +16,7 @@ from torch import nn
 
 from ..models.convert_weights import hf_to_tune
 
-# %% ../../nbs/50_checkpointing.ipynb #1be10eab
+# %% ../../nbs/50_checkpointing.ipynb #c05a3b65
 class CheckpointError(RuntimeError):
     "A checkpoint that cannot be read or does not fit the model; the message names files, keys and shapes."
 
@@ -32,7 +32,7 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
         return load_file(str(path))
     return torch.load(path, map_location="cpu", weights_only=True)
 
-# %% ../../nbs/50_checkpointing.ipynb #d3fdc594
+# %% ../../nbs/50_checkpointing.ipynb #d4c94659
 class FullModelHFCheckpointer:
     """Reads (and, with the training-systems chapter, writes) full models in Hugging Face format.
 
@@ -100,7 +100,7 @@ class FullModelHFCheckpointer:
                                tie_word_embeddings=cfg.get("tie_word_embeddings", self.hf_model_type == "gemma2"))
         return {"model": converted}
 
-# %% ../../nbs/50_checkpointing.ipynb #8dcc8c25
+# %% ../../nbs/50_checkpointing.ipynb #3c78e328
 def load_model_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor],
                           allowed_missing: Iterable[str] = ()) -> None:
     "Load `state_dict` into `model`; raise CheckpointError naming missing/unexpected keys and shape mismatches."

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['gemma2', 'gemma2_2b', 'gemma2_9b', 'gemma2_27b']
 
-# %% ../../../nbs/27_gemma2.ipynb #39c87de3
+# %% ../../../nbs/27_gemma2.ipynb #231f6507
 import math
 from typing import Optional
 
@@ -15,7 +15,7 @@ from .._decoder_builder import build_decoder
 from ...modules.position_embeddings import RotaryPositionalEmbeddings
 from ...modules.transformer import TransformerDecoder
 
-# %% ../../../nbs/27_gemma2.ipynb #5c565e89
+# %% ../../../nbs/27_gemma2.ipynb #519dd528
 def gemma2(vocab_size: int, num_layers: int, num_heads: int, head_dim: int, num_kv_heads: int, embed_dim: int,
            intermediate_dim: int, max_seq_len: int, attn_dropout: float = 0.0, norm_eps: float = 1e-6,
            rope_base: int = 10_000, hidden_capping_value: Optional[float] = 50.0,

@@ -5,14 +5,14 @@
 # %% auto #0
 __all__ = ['scale_hidden_dim_for_mlp', 'llama3_mlp', 'llama3', 'llama3_8b', 'llama3_70b']
 
-# %% ../../../nbs/21_llama3.ipynb #b2b4aa93
+# %% ../../../nbs/21_llama3.ipynb #01bb54ad
 from typing import Optional
 
 from .._decoder_builder import build_decoder, build_mlp
 from ...modules.position_embeddings import RotaryPositionalEmbeddings
 from ...modules.transformer import TransformerDecoder
 
-# %% ../../../nbs/21_llama3.ipynb #dd626c89
+# %% ../../../nbs/21_llama3.ipynb #af05ed5c
 def scale_hidden_dim_for_mlp(dim: int, multiple_of: int = 256) -> int:
     "Llama's default MLP width: 2/3 of 4*dim, rounded up to a multiple of `multiple_of`."
     hidden = int(2 * (4 * dim) / 3)

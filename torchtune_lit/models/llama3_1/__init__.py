@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['llama3_1', 'llama3_1_8b', 'llama3_1_70b', 'llama3_1_405b']
 
-# %% ../../../nbs/22_llama3_1.ipynb #3b861eca
+# %% ../../../nbs/22_llama3_1.ipynb #a6f10c03
 from typing import Optional
 
 from .._decoder_builder import build_decoder
@@ -13,7 +13,7 @@ from ..llama3 import scale_hidden_dim_for_mlp
 from ...modules.position_embeddings import Llama3ScaledRoPE
 from ...modules.transformer import TransformerDecoder
 
-# %% ../../../nbs/22_llama3_1.ipynb #7ffdc17f
+# %% ../../../nbs/22_llama3_1.ipynb #5d9cc6bd
 def llama3_1(vocab_size: int, num_layers: int, num_heads: int, num_kv_heads: int, embed_dim: int,
              max_seq_len: int, attn_dropout: float = 0.0, rope_base: int = 500_000,
              intermediate_dim: Optional[int] = None, norm_eps: float = 1e-5, scale_factor: float = 8.0,

@@ -5,13 +5,13 @@
 # %% auto #0
 __all__ = ['llama3_2', 'llama3_2_1b', 'llama3_2_3b']
 
-# %% ../../../nbs/23_llama3_2.ipynb #45b237b8
+# %% ../../../nbs/23_llama3_2.ipynb #3cd91418
 from typing import Optional
 
 from ..llama3_1 import llama3_1
 from ...modules.transformer import TransformerDecoder
 
-# %% ../../../nbs/23_llama3_2.ipynb #175fb8c7
+# %% ../../../nbs/23_llama3_2.ipynb #b7ebb194
 def llama3_2(vocab_size: int, num_layers: int, num_heads: int, num_kv_heads: int, embed_dim: int,
              max_seq_len: int, attn_dropout: float = 0.0, rope_base: int = 500_000,
              intermediate_dim: Optional[int] = None, norm_eps: float = 1e-5, scale_factor: float = 32.0,

@@ -5,14 +5,14 @@
 # %% auto #0
 __all__ = ['mistral', 'mistral_7b']
 
-# %% ../../../nbs/26_mistral.ipynb #b928563a
+# %% ../../../nbs/26_mistral.ipynb #81b5ec2a
 from typing import Optional
 
 from .._decoder_builder import build_decoder
 from ...modules.position_embeddings import RotaryPositionalEmbeddings
 from ...modules.transformer import TransformerDecoder
 
-# %% ../../../nbs/26_mistral.ipynb #94d4502a
+# %% ../../../nbs/26_mistral.ipynb #9e93cc0d
 def mistral(vocab_size: int, num_layers: int, num_heads: int, num_kv_heads: int, embed_dim: int,
             intermediate_dim: int, max_seq_len: int, head_dim: Optional[int] = None, attn_dropout: float = 0.0,
             norm_eps: float = 1e-5, rope_base: float = 10_000, sliding_window: Optional[int] = None) -> TransformerDecoder:

@@ -5,14 +5,14 @@
 # %% auto #0
 __all__ = ['qwen2']
 
-# %% ../../../nbs/24_qwen2.ipynb #b4a1b8fe
+# %% ../../../nbs/24_qwen2.ipynb #d89db529
 from typing import Optional
 
 from .._decoder_builder import build_decoder
 from ...modules.position_embeddings import RotaryPositionalEmbeddings
 from ...modules.transformer import TransformerDecoder
 
-# %% ../../../nbs/24_qwen2.ipynb #dcf29c3d
+# %% ../../../nbs/24_qwen2.ipynb #a8f6d4c0
 def qwen2(vocab_size: int, num_layers: int, num_heads: int, num_kv_heads: int, embed_dim: int,
           intermediate_dim: int, max_seq_len: int, head_dim: Optional[int] = None, attn_dropout: float = 0.0,
           norm_eps: float = 1e-6, rope_base: float = 1_000_000.0, tie_word_embeddings: bool = False) -> TransformerDecoder:

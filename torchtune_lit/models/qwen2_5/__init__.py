@@ -5,11 +5,11 @@
 # %% auto #0
 __all__ = ['qwen2_5_0_5b', 'qwen2_5_1_5b', 'qwen2_5_3b', 'qwen2_5_7b', 'qwen2_5_14b']
 
-# %% ../../../nbs/25_qwen2_5.ipynb #168a4dde
+# %% ../../../nbs/25_qwen2_5.ipynb #a7ffee1a
 from ..qwen2 import qwen2
 from ...modules.transformer import TransformerDecoder
 
-# %% ../../../nbs/25_qwen2_5.ipynb #4328febd
+# %% ../../../nbs/25_qwen2_5.ipynb #212b9b4f
 def qwen2_5_0_5b() -> TransformerDecoder:
     "Qwen2.5-0.5B(-Instruct)."
     return qwen2(vocab_size=151_936, num_layers=24, num_heads=14, num_kv_heads=2, embed_dim=896,
