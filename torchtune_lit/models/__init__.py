@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['convert_weights', 'build_from_hf_config', 'read_hf_config']
 
-# %% ../../nbs/39_models_map.ipynb #5feed81f
+# %% ../../nbs/39_models_map.ipynb #b31ca91e
 from . import convert_weights
 from ._hf_config import build_from_hf_config, read_hf_config
 

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['NORMS', 'build_mlp', 'build_attention', 'build_decoder']
 
-# %% ../../nbs/20_decoder_builder.ipynb #3c840b06
+# %% ../../nbs/20_decoder_builder.ipynb #2430d99e
 from typing import Optional, Sequence
 
 from torch import nn
@@ -15,7 +15,7 @@ from ..modules.feed_forward import FeedForward
 from ..modules.rms_norm import GemmaRMSNorm, RMSNorm
 from ..modules.transformer import TiedLinear, TransformerDecoder, TransformerSelfAttentionLayer
 
-# %% ../../nbs/20_decoder_builder.ipynb #f180e6a8
+# %% ../../nbs/20_decoder_builder.ipynb #3a620e65
 NORMS = {"rms": RMSNorm, "gemma": GemmaRMSNorm}
 
 

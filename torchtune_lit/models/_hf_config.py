@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['SUPPORTED_MODEL_TYPES', 'read_hf_config', 'rope_from_hf_config', 'build_from_hf_config']
 
-# %% ../../nbs/31_hf_config.ipynb #a22744e5
+# %% ../../nbs/31_hf_config.ipynb #d5cb5620
 import json
 import math
 from pathlib import Path
@@ -17,7 +17,7 @@ from ._decoder_builder import build_decoder
 from ..modules.position_embeddings import Llama3ScaledRoPE, RotaryPositionalEmbeddings
 from ..modules.transformer import TransformerDecoder
 
-# %% ../../nbs/31_hf_config.ipynb #cee5b168
+# %% ../../nbs/31_hf_config.ipynb #3ae29ede
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gemma2")
 _TIED_BY_DEFAULT = {"llama": False, "mistral": False, "qwen2": False, "gemma2": True}  # transformers' config defaults
 

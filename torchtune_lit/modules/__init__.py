@@ -6,7 +6,7 @@
 __all__ = ['attention_utils', 'MultiHeadAttention', 'FeedForward', 'KVCache', 'Llama3ScaledRoPE', 'RotaryPositionalEmbeddings',
            'GemmaRMSNorm', 'RMSNorm', 'TiedLinear', 'TransformerDecoder', 'TransformerSelfAttentionLayer']
 
-# %% ../../nbs/19_modules_map.ipynb #5279f6c7
+# %% ../../nbs/19_modules_map.ipynb #61018d31
 from . import attention_utils
 from .attention import MultiHeadAttention
 from .feed_forward import FeedForward

@@ -5,17 +5,17 @@
 # %% auto #0
 __all__ = ['MultiHeadAttention']
 
-# %% ../../nbs/14_attention.ipynb #9fa54393
+# %% ../../nbs/14_attention.ipynb #71149737
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-# %% ../../nbs/14_attention.ipynb #1ae845cc
+# %% ../../nbs/14_attention.ipynb #6a9fad7f
 from .kv_cache import KVCache
 
-# %% ../../nbs/14_attention.ipynb #41cdb297
+# %% ../../nbs/14_attention.ipynb #1361dad3
 class MultiHeadAttention(nn.Module):
     """Multi-head attention covering MHA, GQA and MQA (`num_heads` a multiple of `num_kv_heads`).
 

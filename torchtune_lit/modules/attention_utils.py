@@ -6,12 +6,12 @@
 __all__ = ['causal_mask', 'get_causal_mask_from_padding_mask', 'get_position_ids_from_padding_mask', 'create_block_causal_mask',
            'packed_position_ids']
 
-# %% ../../nbs/12_attention_utils.ipynb #3d2c8320
+# %% ../../nbs/12_attention_utils.ipynb #947a45b5
 from typing import Optional, Sequence
 
 import torch
 
-# %% ../../nbs/12_attention_utils.ipynb #683d29d7
+# %% ../../nbs/12_attention_utils.ipynb #f15981fe
 def causal_mask(seq_len: int, device: Optional[torch.device] = None) -> torch.Tensor:
     "[seq_len, seq_len] boolean mask, True where key position <= query position."
     return torch.tril(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device))

@@ -5,13 +5,13 @@
 # %% auto #0
 __all__ = ['FeedForward']
 
-# %% ../../nbs/15_feed_forward.ipynb #1943bb3f
+# %% ../../nbs/15_feed_forward.ipynb #ad44f60e
 from typing import Optional
 
 import torch
 from torch import nn
 
-# %% ../../nbs/15_feed_forward.ipynb #16997684
+# %% ../../nbs/15_feed_forward.ipynb #9e8ae243
 class FeedForward(nn.Module):
     """Gated MLP: `down_proj(activation(gate_proj(x)) * up_proj(x))`; without `up_proj`, `down_proj(activation(gate_proj(x)))`.
 

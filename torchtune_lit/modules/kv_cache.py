@@ -5,11 +5,11 @@
 # %% auto #0
 __all__ = ['KVCache']
 
-# %% ../../nbs/13_kv_cache.ipynb #f9117815
+# %% ../../nbs/13_kv_cache.ipynb #a0686f0a
 import torch
 from torch import nn
 
-# %% ../../nbs/13_kv_cache.ipynb #8c498b65
+# %% ../../nbs/13_kv_cache.ipynb #3394cd9a
 class KVCache(nn.Module):
     """Fixed-size cache of keys and values, [batch, num_kv_heads, max_seq_len, head_dim] each.
 

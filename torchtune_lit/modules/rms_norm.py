@@ -5,11 +5,11 @@
 # %% auto #0
 __all__ = ['RMSNorm', 'GemmaRMSNorm']
 
-# %% ../../nbs/10_rms_norm.ipynb #3d003918
+# %% ../../nbs/10_rms_norm.ipynb #849f3d3e
 import torch
 from torch import nn
 
-# %% ../../nbs/10_rms_norm.ipynb #8daec58c
+# %% ../../nbs/10_rms_norm.ipynb #b8d2e8ad
 class RMSNorm(nn.Module):
     """Root-mean-square normalisation over the last dimension, with a learned per-channel gain.
 
@@ -25,7 +25,7 @@ class RMSNorm(nn.Module):
         normed = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (normed * self.scale.float()).type_as(x)
 
-# %% ../../nbs/10_rms_norm.ipynb #7d324956
+# %% ../../nbs/10_rms_norm.ipynb #c151fefe
 class GemmaRMSNorm(nn.Module):
     "RMSNorm whose gain is `1 + scale` (Gemma's parameterisation); `scale` starts at zero. Computed in fp32."
 

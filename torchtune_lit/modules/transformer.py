@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['TransformerSelfAttentionLayer', 'TiedLinear', 'TransformerDecoder']
 
-# %% ../../nbs/16_transformer.ipynb #34e25f24
+# %% ../../nbs/16_transformer.ipynb #6d72a4e3
 import copy
 from typing import Callable, Optional, Union
 
@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# %% ../../nbs/16_transformer.ipynb #f38f2521
+# %% ../../nbs/16_transformer.ipynb #d2cef874
 class TransformerSelfAttentionLayer(nn.Module):
     """One pre-norm decoder layer: `h = x + attn(sa_norm(x))`, `out = h + mlp(mlp_norm(h))`.
 
@@ -36,7 +36,7 @@ class TransformerSelfAttentionLayer(nn.Module):
         h = x + self.sa_scale(self.attn(normed, normed, mask=mask, input_pos=input_pos))
         return h + self.mlp_scale(self.mlp(self.mlp_norm(h)))
 
-# %% ../../nbs/16_transformer.ipynb #e8994606
+# %% ../../nbs/16_transformer.ipynb #a2f6d88f
 class TiedLinear:
     "Output projection that reuses `tied_module.weight` (the token embedding); not a module, so the weight is stored once."
 
@@ -50,7 +50,7 @@ class TiedLinear:
     def weight(self) -> torch.Tensor:
         return self.tied_module.weight
 
-# %% ../../nbs/16_transformer.ipynb #53c6edc5
+# %% ../../nbs/16_transformer.ipynb #5467c5c6
 class TransformerDecoder(nn.Module):
     """Decoder-only transformer: token embeddings, `layers`, final `norm`, `output` projection to the vocabulary.
 

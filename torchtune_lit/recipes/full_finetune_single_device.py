@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['DTYPES', 'get_device', 'get_dtype', 'byte_windows', 'JsonlLogger', 'save_model_atomically', 'train', 'recipe_main']
 
-# %% ../../nbs/60_full_finetune_single_device.ipynb #6227b636
+# %% ../../nbs/60_full_finetune_single_device.ipynb #61df687b
 import json
 import math
 import os
@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 import torchtune_lit.config as config
 
-# %% ../../nbs/60_full_finetune_single_device.ipynb #a2e6fec7
+# %% ../../nbs/60_full_finetune_single_device.ipynb #c4f444b9
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -42,7 +42,7 @@ def get_dtype(name: str) -> torch.dtype:
         raise ValueError(f"dtype={name!r} is not supported; use one of {sorted(DTYPES)}.")
     return DTYPES[name]
 
-# %% ../../nbs/60_full_finetune_single_device.ipynb #ce7f8061
+# %% ../../nbs/60_full_finetune_single_device.ipynb #e0ce8a76
 def byte_windows(source: str | Path, seq_len: int) -> TensorDataset:
     "(inputs, labels) windows of `seq_len` tokens over the UTF-8 bytes of the text file `source`."
     data = Path(source).read_bytes()
@@ -55,7 +55,7 @@ def byte_windows(source: str | Path, seq_len: int) -> TensorDataset:
     labels = torch.stack([tokens[i * seq_len + 1:(i + 1) * seq_len + 1] for i in range(n)])
     return TensorDataset(inputs, labels)
 
-# %% ../../nbs/60_full_finetune_single_device.ipynb #f01e7587
+# %% ../../nbs/60_full_finetune_single_device.ipynb #30d39a19
 class JsonlLogger:
     "Append one JSON object per call to `path` (one line each), flushed so a killed run keeps its log."
 
@@ -70,7 +70,7 @@ class JsonlLogger:
     def close(self) -> None:
         self.file.close()
 
-# %% ../../nbs/60_full_finetune_single_device.ipynb #c6936916
+# %% ../../nbs/60_full_finetune_single_device.ipynb #6561c286
 def save_model_atomically(model: torch.nn.Module, path: Path) -> None:
     "Write the model's state dict as safetensors to `path` via a temporary file and an atomic rename."
     tmp = path.with_name(path.name + ".tmp")
@@ -78,7 +78,7 @@ def save_model_atomically(model: torch.nn.Module, path: Path) -> None:
     save_file(state, str(tmp), metadata={"format": "pt"})
     os.replace(tmp, path)
 
-# %% ../../nbs/60_full_finetune_single_device.ipynb #858c4e88
+# %% ../../nbs/60_full_finetune_single_device.ipynb #3af0f6e0
 def train(cfg: DictConfig) -> list[float]:
     "Run the recipe described by `cfg`; return the loss of every optimizer step."
     torch.manual_seed(cfg.seed)
@@ -144,7 +144,7 @@ def _accumulate_gradients(model: torch.nn.Module, batches: Iterator, accumulatio
         num_tokens += int((labels != -100).sum())
     return loss_sum, num_tokens
 
-# %% ../../nbs/60_full_finetune_single_device.ipynb #1584ad73
+# %% ../../nbs/60_full_finetune_single_device.ipynb #7b10e62e
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
     "Entry point: `tunelit run full_finetune_single_device --config tiny/full [key=value ...]`."
@@ -152,7 +152,7 @@ def recipe_main(cfg: DictConfig) -> None:
     print(f"Trained {len(losses)} steps: loss {losses[0]:.4f} -> {losses[-1]:.4f}. "
           f"Model and log are in {cfg.output_dir}.")
 
-# %% ../../nbs/60_full_finetune_single_device.ipynb #1d9d1e72
+# %% ../../nbs/60_full_finetune_single_device.ipynb #582bb096
 #| eval: false
 if __name__ == "__main__":
     sys.exit(recipe_main())

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['CROSS_ENTROPY_IGNORE_IDX', 'get_batch_log_probs', 'ChosenRejectedOutputs', 'concatenated_forward']
 
-# %% ../../nbs/42_rlhf.ipynb #31f872c6
+# %% ../../nbs/42_rlhf.ipynb #72e064a2
 from dataclasses import dataclass
 
 import torch
@@ -14,7 +14,7 @@ from torch import nn
 
 CROSS_ENTROPY_IGNORE_IDX = -100
 
-# %% ../../nbs/42_rlhf.ipynb #94981c61
+# %% ../../nbs/42_rlhf.ipynb #454af38b
 def get_batch_log_probs(logits: torch.Tensor, labels: torch.Tensor, label_pad_token_id: int = CROSS_ENTROPY_IGNORE_IDX,
                         return_average_logprobs: bool = False) -> torch.Tensor:
     """Sum (or mean) over trained tokens of log p(label), one value per sequence: logits [b, s, vocab], labels [b, s].
@@ -33,7 +33,7 @@ def get_batch_log_probs(logits: torch.Tensor, labels: torch.Tensor, label_pad_to
         return total / mask.sum(-1).clamp(min=1)
     return total
 
-# %% ../../nbs/42_rlhf.ipynb #e30a344d
+# %% ../../nbs/42_rlhf.ipynb #226f638a
 @dataclass
 class ChosenRejectedOutputs:
     "Per-sequence log-probs and the logits of the chosen and the rejected halves of a preference batch."

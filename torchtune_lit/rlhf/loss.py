@@ -5,12 +5,12 @@
 # %% auto #0
 __all__ = ['DPOLoss', 'IPOLoss', 'SimPOLoss']
 
-# %% ../../nbs/43_dpo_losses.ipynb #263b9e6b
+# %% ../../nbs/43_dpo_losses.ipynb #f5908bc1
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-# %% ../../nbs/43_dpo_losses.ipynb #3bfceebd
+# %% ../../nbs/43_dpo_losses.ipynb #4310aa10
 class DPOLoss(nn.Module):
     """DPO (Rafailov et al. 2023): -log sigmoid(beta * margin), with optional label smoothing (conservative DPO).
 

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['CheckpointError', 'FullModelHFCheckpointer', 'load_model_state_dict']
 
-# %% ../../nbs/59_training_map.ipynb #d7f84bbc
+# %% ../../nbs/59_training_map.ipynb #13061a84
 from .checkpointing import CheckpointError, FullModelHFCheckpointer, load_model_state_dict
 
 _all_ = ["CheckpointError", "FullModelHFCheckpointer", "load_model_state_dict"]

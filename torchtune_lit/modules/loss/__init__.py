@@ -6,7 +6,7 @@
 __all__ = ['CEWithChunkedOutputLoss', 'ForwardKLLoss', 'ForwardKLWithChunkedOutputLoss', 'ReverseKLLoss',
            'ReverseKLWithChunkedOutputLoss', 'SymmetricKLLoss', 'SymmetricKLWithChunkedOutputLoss']
 
-# %% ../../../nbs/49_loss_map.ipynb #504ba02e
+# %% ../../../nbs/49_loss_map.ipynb #de7a5497
 from .ce_chunked_output_loss import CEWithChunkedOutputLoss
 from .kd_losses import (ForwardKLLoss, ForwardKLWithChunkedOutputLoss, ReverseKLLoss,
                                                   ReverseKLWithChunkedOutputLoss, SymmetricKLLoss,

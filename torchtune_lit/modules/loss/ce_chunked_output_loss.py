@@ -5,12 +5,12 @@
 # %% auto #0
 __all__ = ['CEWithChunkedOutputLoss']
 
-# %% ../../../nbs/40_ce_chunked.ipynb #10689e62
+# %% ../../../nbs/40_ce_chunked.ipynb #0cda95cc
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-# %% ../../../nbs/40_ce_chunked.ipynb #075367c6
+# %% ../../../nbs/40_ce_chunked.ipynb #f90d70ea
 class CEWithChunkedOutputLoss(nn.Module):
     """Cross-entropy over a list of logit chunks `[batch, seq/K, vocab]` (the decoder's chunked output) and labels
     `[batch, seq]`: each chunk is upcast to fp32 only while its loss is computed. Returns the mean over positions

@@ -6,12 +6,12 @@
 __all__ = ['ForwardKLLoss', 'ReverseKLLoss', 'SymmetricKLLoss', 'ForwardKLWithChunkedOutputLoss',
            'ReverseKLWithChunkedOutputLoss', 'SymmetricKLWithChunkedOutputLoss']
 
-# %% ../../../nbs/41_kd_losses.ipynb #070fdb78
+# %% ../../../nbs/41_kd_losses.ipynb #de2b855a
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-# %% ../../../nbs/41_kd_losses.ipynb #9aeea483
+# %% ../../../nbs/41_kd_losses.ipynb #23529ed8
 def _masked_mean(per_token: torch.Tensor, labels: torch.Tensor, ignore_index: int, normalize: bool) -> torch.Tensor:
     "Sum of `per_token` over positions whose label is not ignored, divided by their count when `normalize`."
     mask = (labels != ignore_index).reshape(-1).float()
@@ -34,7 +34,7 @@ def _reverse_kl_terms(student_logits: torch.Tensor, teacher_logits: torch.Tensor
     terms = student_logprob.exp() * (student_logprob - teacher_logprob)
     return terms.masked_fill(torch.isinf(student_logits) | torch.isinf(teacher_logits), 0.0).sum(-1)
 
-# %% ../../../nbs/41_kd_losses.ipynb #fd04ebc6
+# %% ../../../nbs/41_kd_losses.ipynb #61e967dc
 class ForwardKLLoss(nn.Module):
     "Teacher-weighted student log-probs, -sum p log q, averaged over trained positions (= KL(p||q) + H(p))."
 
@@ -74,7 +74,7 @@ class SymmetricKLLoss(nn.Module):
         return (self.sym_kl_ratio * self.forward_kl(student_logits, teacher_logits, labels, normalize)
                 + (1 - self.sym_kl_ratio) * self.reverse_kl(student_logits, teacher_logits, labels, normalize))
 
-# %% ../../../nbs/41_kd_losses.ipynb #ed752bca
+# %% ../../../nbs/41_kd_losses.ipynb #679b5c9f
 class _ChunkedKD(nn.Module):
     "Apply a per-chunk KD loss to lists of student and teacher logit chunks; mean over trained positions."
 
