@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['DoRALinear']
 
-# %% ../../../nbs/71_dora.ipynb #7a8a7d87
+# %% ../../../nbs/71_dora.ipynb #02238f10
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -13,7 +13,7 @@ from ..low_precision.nf4 import NF4Tensor
 
 from .lora import LoRALinear
 
-# %% ../../../nbs/71_dora.ipynb #947dbd05
+# %% ../../../nbs/71_dora.ipynb #e6b1d577
 class DoRALinear(LoRALinear):
     """DoRA (Liu et al. 2024): `magnitude * (W + s B A) / ||W + s B A||_row` applied to x, the norm detached.
 
