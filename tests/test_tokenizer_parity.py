@@ -1,0 +1,112 @@
+"""Our tokenizers against transformers on the same tokenizer files.
+
+Small real tokenizers are trained here with Hugging Face `tokenizers` (byte-level BPE on the shipped corpus) and given
+each family's special tokens; the chat templates are the models' own template texts (Qwen 2.5's without its
+tool-calling branches, which these conversations do not use). transformers renders and tokenises; we tokenise
+messages; the ids must be identical.
+"""
+import json
+
+import pytest
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from torchtune_lit.config import _asset_path
+from torchtune_lit.data._messages import Message
+from torchtune_lit.tokenizers._base import HuggingFaceBaseTokenizer
+from torchtune_lit.tokenizers._chat import (LLAMA3_SPECIAL_TOKENS, gemma_tokenizer, llama3_tokenizer,
+                                            qwen2_5_tokenizer)
+
+LLAMA3_TEMPLATE = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = '<|start_header_id|>' + "
+    "message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
+    "{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
+
+QWEN2_5_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}"
+    "{%- else %}{{- '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n' }}"
+    "{%- endif %}{%- for message in messages %}{%- if (message.role == \"user\") or (message.role == \"system\" and not "
+    "loop.first) or (message.role == \"assistant\") %}{{- '<|im_start|>' + message.role + '\n' + message.content + "
+    "'<|im_end|>' + '\n' }}{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}")
+
+GEMMA2_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    "{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}{{ raise_exception("
+    "'Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}{% if (message['role'] == "
+    "'assistant') %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}{% endif %}{{ '<start_of_turn>' + "
+    "role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}{% if add_generation_prompt %}"
+    "{{'<start_of_turn>model\n'}}{% endif %}")
+
+FAMILIES = {
+    "llama3": (LLAMA3_SPECIAL_TOKENS[:11], "<|begin_of_text|>", "<|eot_id|>", LLAMA3_TEMPLATE, llama3_tokenizer),
+    "qwen2_5": (["<|endoftext|>", "<|im_start|>", "<|im_end|>"], None, "<|im_end|>", QWEN2_5_TEMPLATE, qwen2_5_tokenizer),
+    "gemma2": (["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"], "<bos>", "<eos>", GEMMA2_TEMPLATE, gemma_tokenizer),
+}
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "What type is the column 'dob' with values 03/04/1987, 25/12/1990?"},
+     {"role": "assistant", "content": "date_of_birth"}],
+    [{"role": "system", "content": "You name column types.\nAnswer with one label."},
+     {"role": "user", "content": "  zip: 75011, 10115  \n"},
+     {"role": "assistant", "content": "postal_code"},
+     {"role": "user", "content": "amount: 1.234,50 EUR — $1,234.50"},
+     {"role": "assistant", "content": " currency_amount\n"}],
+]
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory):
+    specials, bos, eos, template, builder = FAMILIES[request.param]
+    folder = tmp_path_factory.mktemp(request.param)
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train([_asset_path("tiny/corpus.txt")], trainers.BpeTrainer(vocab_size=600, special_tokens=specials,
+                                                                    initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    bpe.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": bos, "eos_token": eos}))
+    reference = transformers.PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), bos_token=bos,
+                                                     eos_token=eos)
+    reference.chat_template = template
+    return request.param, builder(folder / "tokenizer.json"), reference
+
+
+def reference_ids(reference, conversation, add_generation_prompt):
+    out = reference.apply_chat_template(conversation, tokenize=True, add_generation_prompt=add_generation_prompt)
+    return list(out["input_ids"] if isinstance(out, (dict, transformers.BatchEncoding)) else out)
+
+
+@pytest.mark.parametrize("index", range(len(CONVERSATIONS)))
+@pytest.mark.parametrize("generation_prompt", [False, True])
+def test_chat_format_ids_equal_apply_chat_template(family, index, generation_prompt):
+    name, ours, reference = family
+    conversation = CONVERSATIONS[index]
+    if name == "gemma2" and conversation[0]["role"] == "system":
+        pytest.skip("Gemma's template has no system role (ours refuses it too, tested below)")
+    if generation_prompt:
+        conversation = conversation[:-1]
+    messages = [Message(m["role"], m["content"]) for m in conversation]
+    tokens, mask = ours.tokenize_messages(messages, add_end_tokens=False, add_generation_prompt=generation_prompt)
+    assert tokens == reference_ids(reference, conversation, generation_prompt)
+    assert len(mask) == len(tokens)
+
+
+def test_gemma_refuses_a_system_turn(family):
+    name, ours, _ = family
+    if name != "gemma2":
+        pytest.skip("Gemma only")
+    with pytest.raises(ValueError, match="no system turn"):
+        ours.tokenize_messages([Message(**m) for m in CONVERSATIONS[1]])
+
+
+@pytest.mark.parametrize("text", ["plain text", "  leading and trailing  ", "emoji 🙂 and ünïcödé", "line\n\nbreaks\n"])
+def test_base_tokenizer_ids_equal_transformers(family, text):
+    _, ours, reference = family
+    base = ours.base
+    assert isinstance(base, HuggingFaceBaseTokenizer)
+    assert base.encode(text, add_bos=False, add_eos=False) == reference(text, add_special_tokens=False)["input_ids"]
+    if base.bos_id is not None:
+        assert base.encode(text, add_bos=True, add_eos=True) == (
+            [reference.bos_token_id] + reference(text, add_special_tokens=False)["input_ids"] + [reference.eos_token_id])
+    assert base.decode(base.encode(text, False, False)) == text
