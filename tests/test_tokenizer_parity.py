@@ -63,7 +63,7 @@ def family(request, tmp_path_factory):
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     bpe.train([_asset_path("tiny/corpus.txt")], trainers.BpeTrainer(vocab_size=600, special_tokens=specials,
-                                                                    initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+                                                                    initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
     bpe.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": bos, "eos_token": eos}))
     reference = transformers.PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), bos_token=bos,

@@ -5,12 +5,12 @@
 # %% auto #0
 __all__ = ['BaseTokenizer', 'SentencePieceBaseTokenizer', 'TikTokenBaseTokenizer', 'HuggingFaceBaseTokenizer']
 
-# %% ../../nbs/80_base_tokenizers.ipynb #9ba61248
+# %% ../../nbs/80_base_tokenizers.ipynb #cfcf6c08
 import json
 from pathlib import Path
 from typing import Optional, Protocol, Union
 
-# %% ../../nbs/80_base_tokenizers.ipynb #db0ea6ee
+# %% ../../nbs/80_base_tokenizers.ipynb #d94b8b4e
 class BaseTokenizer(Protocol):
     "Text <-> ids without chat formatting."
     def encode(self, text: str, add_bos: bool = True, add_eos: bool = True) -> list[int]: ...
@@ -25,7 +25,7 @@ def _require_file(path: Union[str, Path], what: str) -> Path:
                                 "(tunelit download ...) or fix the config's tokenizer.path.")
     return path
 
-# %% ../../nbs/80_base_tokenizers.ipynb #1629bd85
+# %% ../../nbs/80_base_tokenizers.ipynb #5a8b71ba
 class SentencePieceBaseTokenizer:
     "A SentencePiece `tokenizer.model`; `bos_id`/`eos_id`/`pad_id` come from the model file."
 
@@ -53,7 +53,7 @@ class SentencePieceBaseTokenizer:
         token_id = self.spm_model.piece_to_id(token)
         return None if token_id == self.spm_model.unk_id() and token != self.spm_model.id_to_piece(token_id) else token_id
 
-# %% ../../nbs/80_base_tokenizers.ipynb #773cf9d6
+# %% ../../nbs/80_base_tokenizers.ipynb #804634c3
 class TikTokenBaseTokenizer:
     "A tiktoken BPE file (base64 token, rank per line) with a pre-split `pattern` and `special_tokens` {text: id}."
 
@@ -77,7 +77,7 @@ class TikTokenBaseTokenizer:
         "The id of a special token, or None."
         return self.tt_model._special_tokens.get(token)
 
-# %% ../../nbs/80_base_tokenizers.ipynb #cd4f4b93
+# %% ../../nbs/80_base_tokenizers.ipynb #fb0cf473
 class HuggingFaceBaseTokenizer:
     "A Hugging Face `tokenizer.json`; BOS/EOS from tokenizer_config.json or generation_config.json beside it (or given)."
 

@@ -7,14 +7,14 @@ __all__ = ['Segment', 'LLAMA3_PATTERN', 'LLAMA3_SPECIAL_TOKENS', 'Special', 'Lla
            'MistralFormat', 'ModelTokenizer', 'llama3_tokenizer', 'qwen2_5_tokenizer', 'gemma_tokenizer',
            'mistral_tokenizer']
 
-# %% ../../nbs/82_chat_tokenizers.ipynb #157cfa77
+# %% ../../nbs/82_chat_tokenizers.ipynb #98050104
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
 from ..data._messages import Message, validate_messages
 
-# %% ../../nbs/82_chat_tokenizers.ipynb #cb9bee38
+# %% ../../nbs/82_chat_tokenizers.ipynb #742b353b
 @dataclass(frozen=True)
 class Special:
     "A special (control) token, by its text; added by id, never through text encoding."
@@ -82,7 +82,7 @@ class MistralFormat:
     def generation_prompt(self) -> list[Segment]:
         return []
 
-# %% ../../nbs/82_chat_tokenizers.ipynb #f81f4d40
+# %% ../../nbs/82_chat_tokenizers.ipynb #91213792
 class ModelTokenizer:
     """A base tokenizer plus a chat format: `tokenize_messages(messages) -> (tokens, mask)`, mask True where not trained.
 
@@ -153,7 +153,7 @@ class ModelTokenizer:
         tokens, mask = self.tokenize_messages(sample["messages"])
         return {**sample, "tokens": tokens, "mask": mask}
 
-# %% ../../nbs/82_chat_tokenizers.ipynb #b03b4909
+# %% ../../nbs/82_chat_tokenizers.ipynb #87b44936
 LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                   r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 LLAMA3_SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",

@@ -6,7 +6,7 @@
 __all__ = ['lora_gemma2', 'lora_gemma2_2b', 'qlora_gemma2_2b', 'lora_gemma2_9b', 'qlora_gemma2_9b', 'lora_gemma2_27b',
            'qlora_gemma2_27b', 'gemma2', 'gemma2_2b', 'gemma2_9b', 'gemma2_27b']
 
-# %% ../../../nbs/27_gemma2.ipynb #4c8f5242
+# %% ../../../nbs/27_gemma2.ipynb #92a12d9b
 import math
 from typing import Optional
 
@@ -16,7 +16,7 @@ from .._decoder_builder import build_decoder
 from ...modules.position_embeddings import RotaryPositionalEmbeddings
 from ...modules.transformer import TransformerDecoder
 
-# %% ../../../nbs/27_gemma2.ipynb #72e8baf1
+# %% ../../../nbs/27_gemma2.ipynb #e03a44c3
 def gemma2(vocab_size: int, num_layers: int, num_heads: int, head_dim: int, num_kv_heads: int, embed_dim: int,
            intermediate_dim: int, max_seq_len: int, attn_dropout: float = 0.0, norm_eps: float = 1e-6,
            rope_base: int = 10_000, hidden_capping_value: Optional[float] = 50.0,
@@ -51,8 +51,9 @@ def gemma2_27b() -> TransformerDecoder:
     return gemma2(vocab_size=256_000, num_layers=46, num_heads=32, head_dim=128, num_kv_heads=16, embed_dim=4608,
                   intermediate_dim=36_864, max_seq_len=8192, query_pre_attn_scalar=144)
 
-# %% ../../../nbs/27_gemma2.ipynb #9c0febbf
+# %% ../../../nbs/27_gemma2.ipynb #8866ae1b
 from ...modules.peft import lora_builder
+from ...tokenizers._chat import gemma_tokenizer  # the family's tokenizer (chat formats chapter)
 
 lora_gemma2 = lora_builder(gemma2, "lora_gemma2")
 lora_gemma2_2b = lora_builder(gemma2_2b, "lora_gemma2_2b")

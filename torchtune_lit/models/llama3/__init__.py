@@ -6,14 +6,14 @@
 __all__ = ['lora_llama3', 'lora_llama3_8b', 'qlora_llama3_8b', 'lora_llama3_70b', 'qlora_llama3_70b', 'scale_hidden_dim_for_mlp',
            'llama3_mlp', 'llama3', 'llama3_8b', 'llama3_70b']
 
-# %% ../../../nbs/21_llama3.ipynb #2da60ed9
+# %% ../../../nbs/21_llama3.ipynb #2a97cff0
 from typing import Optional
 
 from .._decoder_builder import build_decoder, build_mlp
 from ...modules.position_embeddings import RotaryPositionalEmbeddings
 from ...modules.transformer import TransformerDecoder
 
-# %% ../../../nbs/21_llama3.ipynb #2fa1827d
+# %% ../../../nbs/21_llama3.ipynb #91aa1201
 def scale_hidden_dim_for_mlp(dim: int, multiple_of: int = 256) -> int:
     "Llama's default MLP width: 2/3 of 4*dim, rounded up to a multiple of `multiple_of`."
     hidden = int(2 * (4 * dim) / 3)
@@ -47,8 +47,9 @@ def llama3_70b() -> TransformerDecoder:
     return llama3(vocab_size=128_256, num_layers=80, num_heads=64, num_kv_heads=8, embed_dim=8192,
                   max_seq_len=8192, intermediate_dim=28_672, rope_base=500_000, norm_eps=1e-5)
 
-# %% ../../../nbs/21_llama3.ipynb #46ce2e3e
+# %% ../../../nbs/21_llama3.ipynb #45578e35
 from ...modules.peft import lora_builder
+from ...tokenizers._chat import llama3_tokenizer  # the family's tokenizer (chat formats chapter)
 
 lora_llama3 = lora_builder(llama3, "lora_llama3")
 lora_llama3_8b = lora_builder(llama3_8b, "lora_llama3_8b")

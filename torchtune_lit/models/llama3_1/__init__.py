@@ -6,7 +6,7 @@
 __all__ = ['lora_llama3_1', 'lora_llama3_1_8b', 'qlora_llama3_1_8b', 'lora_llama3_1_70b', 'qlora_llama3_1_70b',
            'lora_llama3_1_405b', 'qlora_llama3_1_405b', 'llama3_1', 'llama3_1_8b', 'llama3_1_70b', 'llama3_1_405b']
 
-# %% ../../../nbs/22_llama3_1.ipynb #3f878480
+# %% ../../../nbs/22_llama3_1.ipynb #f4f37a89
 from typing import Optional
 
 from .._decoder_builder import build_decoder
@@ -14,7 +14,7 @@ from ..llama3 import scale_hidden_dim_for_mlp
 from ...modules.position_embeddings import Llama3ScaledRoPE
 from ...modules.transformer import TransformerDecoder
 
-# %% ../../../nbs/22_llama3_1.ipynb #9829d8c9
+# %% ../../../nbs/22_llama3_1.ipynb #cd83eccb
 def llama3_1(vocab_size: int, num_layers: int, num_heads: int, num_kv_heads: int, embed_dim: int,
              max_seq_len: int, attn_dropout: float = 0.0, rope_base: int = 500_000,
              intermediate_dim: Optional[int] = None, norm_eps: float = 1e-5, scale_factor: float = 8.0,
@@ -48,8 +48,9 @@ def llama3_1_405b() -> TransformerDecoder:
     return llama3_1(vocab_size=128_256, num_layers=126, num_heads=128, num_kv_heads=8, embed_dim=16_384,
                     max_seq_len=131_072, intermediate_dim=53_248)
 
-# %% ../../../nbs/22_llama3_1.ipynb #c51a7910
+# %% ../../../nbs/22_llama3_1.ipynb #4d4a0887
 from ...modules.peft import lora_builder
+from ...tokenizers._chat import llama3_tokenizer  # the family's tokenizer (chat formats chapter)
 
 lora_llama3_1 = lora_builder(llama3_1, "lora_llama3_1")
 lora_llama3_1_8b = lora_builder(llama3_1_8b, "lora_llama3_1_8b")

@@ -6,13 +6,13 @@
 __all__ = ['lora_llama3_2', 'lora_llama3_2_1b', 'qlora_llama3_2_1b', 'lora_llama3_2_3b', 'qlora_llama3_2_3b', 'llama3_2',
            'llama3_2_1b', 'llama3_2_3b']
 
-# %% ../../../nbs/23_llama3_2.ipynb #234f7d60
+# %% ../../../nbs/23_llama3_2.ipynb #62e236c5
 from typing import Optional
 
 from ..llama3_1 import llama3_1
 from ...modules.transformer import TransformerDecoder
 
-# %% ../../../nbs/23_llama3_2.ipynb #badd8a17
+# %% ../../../nbs/23_llama3_2.ipynb #c2cf0e39
 def llama3_2(vocab_size: int, num_layers: int, num_heads: int, num_kv_heads: int, embed_dim: int,
              max_seq_len: int, attn_dropout: float = 0.0, rope_base: int = 500_000,
              intermediate_dim: Optional[int] = None, norm_eps: float = 1e-5, scale_factor: float = 32.0,
@@ -35,8 +35,9 @@ def llama3_2_3b() -> TransformerDecoder:
     return llama3_2(vocab_size=128_256, num_layers=28, num_heads=24, num_kv_heads=8, embed_dim=3072,
                     max_seq_len=131_072, intermediate_dim=8192)
 
-# %% ../../../nbs/23_llama3_2.ipynb #67fb639a
+# %% ../../../nbs/23_llama3_2.ipynb #9365d0c7
 from ...modules.peft import lora_builder
+from ...tokenizers._chat import llama3_tokenizer  # the family's tokenizer (chat formats chapter)
 
 lora_llama3_2 = lora_builder(llama3_2, "lora_llama3_2")
 lora_llama3_2_1b = lora_builder(llama3_2_1b, "lora_llama3_2_1b")

@@ -5,14 +5,14 @@
 # %% auto #0
 __all__ = ['lora_mistral', 'lora_mistral_7b', 'qlora_mistral_7b', 'mistral', 'mistral_7b']
 
-# %% ../../../nbs/26_mistral.ipynb #e9ad2e44
+# %% ../../../nbs/26_mistral.ipynb #1aed761e
 from typing import Optional
 
 from .._decoder_builder import build_decoder
 from ...modules.position_embeddings import RotaryPositionalEmbeddings
 from ...modules.transformer import TransformerDecoder
 
-# %% ../../../nbs/26_mistral.ipynb #d795f2d1
+# %% ../../../nbs/26_mistral.ipynb #f5a52b27
 def mistral(vocab_size: int, num_layers: int, num_heads: int, num_kv_heads: int, embed_dim: int,
             intermediate_dim: int, max_seq_len: int, head_dim: Optional[int] = None, attn_dropout: float = 0.0,
             norm_eps: float = 1e-5, rope_base: float = 10_000, sliding_window: Optional[int] = None) -> TransformerDecoder:
@@ -29,8 +29,9 @@ def mistral_7b() -> TransformerDecoder:
     return mistral(vocab_size=32_000, num_layers=32, num_heads=32, num_kv_heads=8, embed_dim=4096,
                    intermediate_dim=14_336, max_seq_len=32_768, rope_base=10_000, sliding_window=4096)
 
-# %% ../../../nbs/26_mistral.ipynb #5c91145f
+# %% ../../../nbs/26_mistral.ipynb #acc91613
 from ...modules.peft import lora_builder
+from ...tokenizers._chat import mistral_tokenizer  # the family's tokenizer (chat formats chapter)
 
 lora_mistral = lora_builder(mistral, "lora_mistral")
 lora_mistral_7b = lora_builder(mistral_7b, "lora_mistral_7b")

@@ -5,14 +5,14 @@
 # %% auto #0
 __all__ = ['lora_qwen2', 'qwen2']
 
-# %% ../../../nbs/24_qwen2.ipynb #b50ea087
+# %% ../../../nbs/24_qwen2.ipynb #222b85c4
 from typing import Optional
 
 from .._decoder_builder import build_decoder
 from ...modules.position_embeddings import RotaryPositionalEmbeddings
 from ...modules.transformer import TransformerDecoder
 
-# %% ../../../nbs/24_qwen2.ipynb #2bd581ec
+# %% ../../../nbs/24_qwen2.ipynb #4a551e03
 def qwen2(vocab_size: int, num_layers: int, num_heads: int, num_kv_heads: int, embed_dim: int,
           intermediate_dim: int, max_seq_len: int, head_dim: Optional[int] = None, attn_dropout: float = 0.0,
           norm_eps: float = 1e-6, rope_base: float = 1_000_000.0, tie_word_embeddings: bool = False) -> TransformerDecoder:
@@ -24,7 +24,8 @@ def qwen2(vocab_size: int, num_layers: int, num_heads: int, num_kv_heads: int, e
                          tie_word_embeddings=tie_word_embeddings,
                          rope=RotaryPositionalEmbeddings(dim=head_dim, max_seq_len=max_seq_len, base=rope_base))
 
-# %% ../../../nbs/24_qwen2.ipynb #94ec9bab
+# %% ../../../nbs/24_qwen2.ipynb #f069575f
 from ...modules.peft import lora_builder
+from ...tokenizers._chat import qwen2_5_tokenizer as qwen2_tokenizer  # the family's tokenizer (chat formats chapter)
 
 lora_qwen2 = lora_builder(qwen2, "lora_qwen2")

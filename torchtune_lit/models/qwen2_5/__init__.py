@@ -7,11 +7,11 @@ __all__ = ['lora_qwen2_5_0_5b', 'qlora_qwen2_5_0_5b', 'lora_qwen2_5_1_5b', 'qlor
            'qlora_qwen2_5_3b', 'lora_qwen2_5_7b', 'qlora_qwen2_5_7b', 'lora_qwen2_5_14b', 'qlora_qwen2_5_14b',
            'qwen2_5_0_5b', 'qwen2_5_1_5b', 'qwen2_5_3b', 'qwen2_5_7b', 'qwen2_5_14b']
 
-# %% ../../../nbs/25_qwen2_5.ipynb #9c7da32f
+# %% ../../../nbs/25_qwen2_5.ipynb #a94ae644
 from ..qwen2 import qwen2
 from ...modules.transformer import TransformerDecoder
 
-# %% ../../../nbs/25_qwen2_5.ipynb #c7bc8800
+# %% ../../../nbs/25_qwen2_5.ipynb #d9602c3b
 def qwen2_5_0_5b() -> TransformerDecoder:
     "Qwen2.5-0.5B(-Instruct)."
     return qwen2(vocab_size=151_936, num_layers=24, num_heads=14, num_kv_heads=2, embed_dim=896,
@@ -41,8 +41,9 @@ def qwen2_5_14b() -> TransformerDecoder:
     return qwen2(vocab_size=152_064, num_layers=48, num_heads=40, num_kv_heads=8, embed_dim=5120,
                  intermediate_dim=13_824, max_seq_len=32_768)
 
-# %% ../../../nbs/25_qwen2_5.ipynb #d4d8c932
+# %% ../../../nbs/25_qwen2_5.ipynb #21ca9ceb
 from ...modules.peft import lora_builder
+from ...tokenizers._chat import qwen2_5_tokenizer  # the family's tokenizer (chat formats chapter)
 
 lora_qwen2_5_0_5b = lora_builder(qwen2_5_0_5b, "lora_qwen2_5_0_5b")
 qlora_qwen2_5_0_5b = lora_builder(qwen2_5_0_5b, "qlora_qwen2_5_0_5b", quantize_base=True)
