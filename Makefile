@@ -16,8 +16,12 @@ $(VENV)/.installed: setup.py settings.ini
 	$(BIN)/python -m pip install -q -e ".[dev,docs]"
 	touch $@
 
+# The main job: held-out accuracy of the shipped tiny base, a LoRA fine-tune on the column-type task, accuracy after.
 main: setup
-	$(BIN)/tunelit run full_finetune_single_device --config tiny/full
+	$(BIN)/tunelit run eval_accuracy --config tiny/eval output_dir=/tmp/torchtune_lit/tiny_eval_before
+	$(BIN)/tunelit run lora_finetune_single_device --config tiny/lora
+	$(BIN)/tunelit run eval_accuracy --config tiny/eval checkpointer.checkpoint_dir=/tmp/torchtune_lit/tiny_lora/epoch_2 \
+		output_dir=/tmp/torchtune_lit/tiny_eval_after
 
 # (a) export sync, README sync, (d) site build, (b) every notebook, (c) pytest -- pytest's summary line last.
 test: setup test-export test-readme test-site test-nbs test-py

@@ -8,7 +8,7 @@ __all__ = ['TINY_ASSETS', 'FIRST', 'LAST', 'COUNTRIES', 'CITIES', 'WORDS', 'PROD
            'make_column_examples', 'make_chat_examples', 'make_preference_examples', 'build_tiny_world',
            'tiny_tokenizer']
 
-# %% ../../nbs/86_tiny_world.ipynb #0d468d23
+# %% ../../nbs/86_tiny_world.ipynb #85857201
 import io
 import json
 import random
@@ -19,7 +19,7 @@ import torchtune_lit
 
 TINY_ASSETS = Path(torchtune_lit.__file__).resolve().parent / "assets" / "tiny"
 
-# %% ../../nbs/86_tiny_world.ipynb #8f45d098
+# %% ../../nbs/86_tiny_world.ipynb #d7bfd8db
 FIRST = ["Ana", "Maria", "John", "Wei", "Fatima", "Lukas", "Sofia", "Kenji", "Amara", "Pedro", "Ingrid", "Omar", "Chloe", "Ravi"]
 LAST = ["Silva", "Ruiz", "Smith", "Chen", "Khan", "Weber", "Rossi", "Tanaka", "Okafor", "Santos", "Berg", "Haddad", "Martin", "Patel"]
 COUNTRIES = ["France", "Germany", "Japan", "Brazil", "Nigeria", "Canada", "India", "Spain", "Norway", "Egypt", "Mexico", "Italy"]
@@ -88,7 +88,7 @@ CONFUSABLE = {"postal_code": "phone_number", "phone_number": "postal_code", "ord
               "date_of_birth": "order_id", "currency_amount": "phone_number"}
 SYSTEM_PROMPT = "You name the semantic type of a table column. Answer with one label."
 
-# %% ../../nbs/86_tiny_world.ipynb #aeb5cd8b
+# %% ../../nbs/86_tiny_world.ipynb #cd66a753
 def column_prompt(header: str, values: list[str]) -> str:
     "The user turn of the column-type task."
     return f"Column: {header}\nValues: {'; '.join(values)}\nWhat is the semantic type of this column?"
@@ -134,7 +134,7 @@ def make_preference_examples(per_label: int, seed: int) -> list[dict]:
                     "rejected": prompt + [{"role": "assistant", "content": CONFUSABLE[row["label"]]}]})
     return out
 
-# %% ../../nbs/86_tiny_world.ipynb #f154f0c8
+# %% ../../nbs/86_tiny_world.ipynb #c16c42a9
 TINY_SPECIAL_TOKENS = ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 
 
@@ -163,9 +163,15 @@ def build_tiny_world(out_dir: Union[str, Path], seed: int = 0) -> list[Path]:
         num_threads=1, pad_id=0, unk_id=1, bos_id=2, eos_id=3, bos_piece="<|begin_of_text|>", eos_piece="<|end_of_text|>",
         user_defined_symbols=TINY_SPECIAL_TOKENS, minloglevel=2)
     (out / "tokenizer.model").write_bytes(model.getvalue())
-    return sorted(out / name for name in [*files, "tokenizer.model"])
+    paragraphs = [p.strip() for p in corpus.split("\n\n") if p.strip()]
+    _write_jsonl([{"text": t} for t in paragraphs + [r["prompt"] for r in files["column_types_train.jsonl"]]],
+                 out / "pretrain.jsonl")
+    from torchtune_lit.models.tiny import tiny_llama_hf_config
+    (out / "base").mkdir(exist_ok=True)
+    (out / "base" / "config.json").write_text(json.dumps(tiny_llama_hf_config(), indent=2, sort_keys=True) + "\n")
+    return sorted(out / name for name in [*files, "tokenizer.model", "pretrain.jsonl", "base/config.json"])
 
-# %% ../../nbs/86_tiny_world.ipynb #6f1b53a3
+# %% ../../nbs/86_tiny_world.ipynb #f2fe9ebd
 def tiny_tokenizer(path: Union[str, Path, None] = None, max_seq_len: int = 256):
     "The shipped tiny tokenizer (default: the package's assets/tiny/tokenizer.model) with the Llama 3 chat format."
     from torchtune_lit.tokenizers._base import SentencePieceBaseTokenizer
