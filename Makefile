@@ -20,7 +20,7 @@ $(VENV)/.installed: setup.py settings.ini
 main: setup
 	$(BIN)/tunelit run eval_accuracy --config tiny/eval output_dir=/tmp/torchtune_lit/tiny_eval_before
 	$(BIN)/tunelit run lora_finetune_single_device --config tiny/lora
-	$(BIN)/tunelit run eval_accuracy --config tiny/eval checkpointer.checkpoint_dir=/tmp/torchtune_lit/tiny_lora/epoch_2 \
+	$(BIN)/tunelit run eval_accuracy --config tiny/eval checkpointer.checkpoint_dir=/tmp/torchtune_lit/tiny_lora/epoch_3 \
 		output_dir=/tmp/torchtune_lit/tiny_eval_after
 
 # (a) export sync, README sync, (d) site build, (b) every notebook, (c) pytest -- pytest's summary line last.

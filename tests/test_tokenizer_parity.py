@@ -15,7 +15,7 @@ from torchtune_lit.config import _asset_path
 from torchtune_lit.data._messages import Message
 from torchtune_lit.tokenizers._base import HuggingFaceBaseTokenizer
 from torchtune_lit.tokenizers._chat import (LLAMA3_SPECIAL_TOKENS, gemma_tokenizer, llama3_tokenizer,
-                                            qwen2_5_tokenizer)
+                                            mistral_tokenizer, qwen2_5_tokenizer)
 
 LLAMA3_TEMPLATE = (
     "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = '<|start_header_id|>' + "
@@ -38,10 +38,17 @@ GEMMA2_TEMPLATE = (
     "role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}{% if add_generation_prompt %}"
     "{{'<start_of_turn>model\n'}}{% endif %}")
 
+MISTRAL_V03_TEMPLATE = (  # the user/assistant rendering of Mistral-7B-Instruct-v0.3's template (no tools, no system)
+    "{{- bos_token }}{%- for message in messages %}{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{- raise_exception('roles must alternate user/assistant') }}{%- endif %}{%- if message['role'] == 'user' %}"
+    "{{- '[INST] ' + message['content'] + '[/INST]' }}{%- elif message['role'] == 'assistant' %}"
+    "{{- ' ' + message['content']|trim + eos_token }}{%- endif %}{%- endfor %}")
+
 FAMILIES = {
     "llama3": (LLAMA3_SPECIAL_TOKENS[:11], "<|begin_of_text|>", "<|eot_id|>", LLAMA3_TEMPLATE, llama3_tokenizer),
     "qwen2_5": (["<|endoftext|>", "<|im_start|>", "<|im_end|>"], None, "<|im_end|>", QWEN2_5_TEMPLATE, qwen2_5_tokenizer),
     "gemma2": (["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"], "<bos>", "<eos>", GEMMA2_TEMPLATE, gemma_tokenizer),
+    "mistral": (["<unk>", "<s>", "</s>", "[INST]", "[/INST]"], "<s>", "</s>", MISTRAL_V03_TEMPLATE, mistral_tokenizer),
 }
 
 CONVERSATIONS = [
@@ -82,8 +89,10 @@ def reference_ids(reference, conversation, add_generation_prompt):
 def test_chat_format_ids_equal_apply_chat_template(family, index, generation_prompt):
     name, ours, reference = family
     conversation = CONVERSATIONS[index]
-    if name == "gemma2" and conversation[0]["role"] == "system":
-        pytest.skip("Gemma's template has no system role (ours refuses it too, tested below)")
+    if name in ("gemma2", "mistral") and conversation[0]["role"] == "system":
+        pytest.skip("this template has no system role (ours refuses it too, tested below)")
+    if generation_prompt and name == "mistral":
+        pytest.skip("Mistral's template has no generation prompt: the prompt ends with [/INST]")
     if generation_prompt:
         conversation = conversation[:-1]
     messages = [Message(m["role"], m["content"]) for m in conversation]
@@ -92,10 +101,10 @@ def test_chat_format_ids_equal_apply_chat_template(family, index, generation_pro
     assert len(mask) == len(tokens)
 
 
-def test_gemma_refuses_a_system_turn(family):
+def test_formats_without_system_turn_refuse_one(family):
     name, ours, _ = family
-    if name != "gemma2":
-        pytest.skip("Gemma only")
+    if name not in ("gemma2", "mistral"):
+        pytest.skip("Gemma and Mistral only")
     with pytest.raises(ValueError, match="no system turn"):
         ours.tokenize_messages([Message(**m) for m in CONVERSATIONS[1]])
 

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['load_model_for_eval', 'confusion_table', 'evaluate', 'recipe_main']
 
-# %% ../../nbs/63_eval_accuracy.ipynb #3888632b
+# %% ../../nbs/63_eval_accuracy.ipynb #0b3fb874
 import json
 import sys
 from collections import Counter
@@ -21,7 +21,7 @@ import torchtune_lit.generation as generation
 import torchtune_lit.models as models
 import torchtune_lit.training as training
 
-# %% ../../nbs/63_eval_accuracy.ipynb #c415a0ca
+# %% ../../nbs/63_eval_accuracy.ipynb #aba7a595
 def load_model_for_eval(checkpointer, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     "The model that the checkpoint folder's config.json describes, with its weights, in eval mode."
     model = models.build_from_hf_config(checkpointer.checkpoint_dir)
@@ -73,7 +73,7 @@ def evaluate(cfg: DictConfig) -> dict:
     result["table"] = confusion_table(pairs, labels)
     return result
 
-# %% ../../nbs/63_eval_accuracy.ipynb #8dfa2d84
+# %% ../../nbs/63_eval_accuracy.ipynb #8fccc40c
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
     "Entry point: `tunelit run eval_accuracy --config tiny/eval [checkpointer.checkpoint_dir=...]`."
@@ -81,7 +81,7 @@ def recipe_main(cfg: DictConfig) -> None:
     print(result["table"])
     print(f"Accuracy {result['accuracy']:.1%} on {result['n']} held-out examples ({result['checkpoint_dir']}).")
 
-# %% ../../nbs/63_eval_accuracy.ipynb #91c4de05
+# %% ../../nbs/63_eval_accuracy.ipynb #bb57bfe8
 #| eval: false
 if __name__ == "__main__":
     sys.exit(recipe_main())

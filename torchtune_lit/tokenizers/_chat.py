@@ -7,14 +7,14 @@ __all__ = ['Segment', 'LLAMA3_PATTERN', 'LLAMA3_SPECIAL_TOKENS', 'Special', 'Lla
            'MistralFormat', 'ModelTokenizer', 'llama3_tokenizer', 'qwen2_5_tokenizer', 'gemma_tokenizer',
            'mistral_tokenizer']
 
-# %% ../../nbs/82_chat_tokenizers.ipynb #98050104
+# %% ../../nbs/82_chat_tokenizers.ipynb #f7e23bce
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
 from ..data._messages import Message, validate_messages
 
-# %% ../../nbs/82_chat_tokenizers.ipynb #742b353b
+# %% ../../nbs/82_chat_tokenizers.ipynb #d7dffdc9
 @dataclass(frozen=True)
 class Special:
     "A special (control) token, by its text; added by id, never through text encoding."
@@ -68,21 +68,21 @@ class GemmaFormat:
 
 
 class MistralFormat:
-    "Mistral instruct format with [INST]/[/INST] control tokens (v0.3 tokenizers); a system prompt precedes the first user text."
+    "Mistral instruct format as in Mistral-7B-Instruct-v0.3, whose [INST]/[/INST] are control tokens (no system turn)."
     bos, eos, end_of_turn = "<s>", "</s>", "</s>"
     default_system_prompt = None
 
     def message(self, m: Message) -> list[Segment]:
         if m.role == "system":
-            raise ValueError("Mistral's format has no system turn: put the instructions into the first user message.")
+            raise ValueError("Mistral's format has no system turn here: put the instructions into the first user message.")
         if m.role == "user":
-            return [Special("[INST]"), " " + m.content + " ", Special("[/INST]")]
-        return [m.content, Special(self.eos)] if m.eot else [m.content]
+            return [Special("[INST]"), " " + m.content, Special("[/INST]")]
+        return [" " + m.content.strip(), Special(self.eos)] if m.eot else [" " + m.content.strip()]
 
     def generation_prompt(self) -> list[Segment]:
         return []
 
-# %% ../../nbs/82_chat_tokenizers.ipynb #91213792
+# %% ../../nbs/82_chat_tokenizers.ipynb #a200237e
 class ModelTokenizer:
     """A base tokenizer plus a chat format: `tokenize_messages(messages) -> (tokens, mask)`, mask True where not trained.
 
@@ -153,7 +153,7 @@ class ModelTokenizer:
         tokens, mask = self.tokenize_messages(sample["messages"])
         return {**sample, "tokens": tokens, "mask": mask}
 
-# %% ../../nbs/82_chat_tokenizers.ipynb #87b44936
+# %% ../../nbs/82_chat_tokenizers.ipynb #3a6da6f9
 LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                   r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 LLAMA3_SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",

@@ -4,9 +4,11 @@
 
 # %% auto #0
 __all__ = ['DTYPES', 'get_device', 'get_dtype', 'set_seed', 'scale_grads', 'check_loss_is_finite', 'JsonlLogger', 'read_jsonl',
-           'shift_labels', 'summed_cross_entropy', 'train_step']
+           'capture_rng_state', 'restore_rng_state', 'latest_step_checkpoint', 'load_recipe_state', 'make_recipe_state',
+           'restore_training_state', 'prune_step_checkpoints', 'truncate_log', 'shift_labels', 'summed_cross_entropy',
+           'train_step']
 
-# %% ../../nbs/51_training_utils.ipynb #4a45f2b3
+# %% ../../nbs/51_training_utils.ipynb #fb97e1f2
 import json
 import math
 import random
@@ -14,11 +16,10 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Union
 
-import numpy as np
 import torch
 from torch import nn
 
-# %% ../../nbs/51_training_utils.ipynb #44834cc5
+# %% ../../nbs/51_training_utils.ipynb #6a0ed5f7
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -41,9 +42,8 @@ def get_dtype(name: str = "fp32", device: Optional[torch.device] = None) -> torc
 
 
 def set_seed(seed: int) -> torch.Generator:
-    "Seed Python, NumPy and torch; return a torch Generator seeded the same way (for the data sampler)."
+    "Seed Python and torch; return a torch Generator seeded the same way (for the data sampler)."
     random.seed(seed)
-    np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
     return torch.Generator().manual_seed(seed)
 
@@ -61,7 +61,7 @@ def check_loss_is_finite(loss: float, step: int) -> None:
         raise RuntimeError(f"loss is {loss} at step {step}: training diverged. Lower optimizer.lr, set "
                            "clip_grad_norm, use dtype=fp32, or check the data for empty or corrupt samples.")
 
-# %% ../../nbs/51_training_utils.ipynb #3f45b022
+# %% ../../nbs/51_training_utils.ipynb #693a90a4
 class JsonlLogger:
     "Append one JSON object per `log` call to `log_dir/filename`, flushed immediately."
 
@@ -82,7 +82,66 @@ def read_jsonl(path: Union[str, Path]) -> list[dict]:
     "The objects of a JSON-lines log."
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
-# %% ../../nbs/51_training_utils.ipynb #67b558ad
+# %% ../../nbs/51_training_utils.ipynb #d58ec3f0
+def capture_rng_state(epoch_generator_state: torch.Tensor) -> dict[str, Any]:
+    "Python's and torch's random states now, and the data generator's state at the start of the current epoch."
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(), "generator": epoch_generator_state}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    "Restore Python's and torch's random states captured by `capture_rng_state`."
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def latest_step_checkpoint(output_dir: Union[str, Path]) -> Optional[Path]:
+    "The newest complete `step_N` folder (one with recipe_state.pt) under `output_dir`, or None."
+    folders = [p for p in Path(output_dir).glob("step_*") if (p / "recipe_state.pt").is_file() and p.name[5:].isdigit()]
+    return max(folders, key=lambda p: int(p.name[5:]), default=None)
+
+
+def load_recipe_state(folder: Union[str, Path]) -> dict[str, Any]:
+    "recipe_state.pt of an intermediate checkpoint, read with weights_only=True."
+    return torch.load(Path(folder) / "recipe_state.pt", map_location="cpu", weights_only=True)
+
+
+def make_recipe_state(optimizer: torch.optim.Optimizer, lr_scheduler: Any, epoch: int, steps_into_epoch: int,
+                      step: int, epoch_generator_state: torch.Tensor) -> dict[str, Any]:
+    "Everything besides the weights that an exact resume needs (see above)."
+    return {"optimizer": optimizer.state_dict(), "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler else None,
+            "epoch": epoch, "steps_into_epoch": steps_into_epoch, "step": step,
+            "rng": capture_rng_state(epoch_generator_state)}
+
+
+def restore_training_state(state: dict[str, Any], optimizer: torch.optim.Optimizer, lr_scheduler: Any) -> None:
+    "Load optimizer and scheduler state from a recipe state (the random states are restored by the loop)."
+    optimizer.load_state_dict(state["optimizer"])
+    if lr_scheduler is not None and state.get("lr_scheduler") is not None:
+        lr_scheduler.load_state_dict(state["lr_scheduler"])
+
+
+def prune_step_checkpoints(output_dir: Union[str, Path], keep: int) -> None:
+    "Delete all but the newest `keep` step_N folders."
+    import shutil
+    folders = sorted((p for p in Path(output_dir).glob("step_*") if p.name[5:].isdigit()), key=lambda p: int(p.name[5:]))
+    for old in folders[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def truncate_log(path: Union[str, Path], last_step: int) -> None:
+    "Drop log lines after `last_step`: a resumed run recomputes (and re-logs) those steps."
+    path = Path(path)
+    if path.is_file():
+        kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= last_step]
+        path.write_text("".join(line + "\n" for line in kept))
+
+# %% ../../nbs/51_training_utils.ipynb #5e69aab4
 def shift_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
     "Labels for next-token prediction: labels[:, 1:] followed by one ignored position."
     return torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], ignore_index)], dim=1)
