@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['build_dataloader', 'load_model', 'resume_state', 'train', 'recipe_main']
 
-# %% ../../nbs/60_full_finetune_single_device.ipynb #27f1c571
+# %% ../../nbs/60_full_finetune_single_device.ipynb #8673eda1
 import sys
 from pathlib import Path
 from typing import Optional
@@ -19,7 +19,7 @@ import torchtune_lit.config as config
 import torchtune_lit.data as data
 import torchtune_lit.training as training
 
-# %% ../../nbs/60_full_finetune_single_device.ipynb #a097f062
+# %% ../../nbs/60_full_finetune_single_device.ipynb #b9f1edd2
 def build_dataloader(cfg: DictConfig, tokenizer, generator: torch.Generator) -> DataLoader:
     "The training DataLoader: the config's dataset, seeded shuffling, the padded or packed collate function."
     dataset = config.instantiate(cfg.dataset, tokenizer)
@@ -41,7 +41,7 @@ def load_model(cfg: DictConfig, checkpointer, device: torch.device, dtype: torch
         print("No checkpoint files: training from the model's initialisation.")
     return model.to(device=device, dtype=dtype)
 
-# %% ../../nbs/60_full_finetune_single_device.ipynb #0ceb8268
+# %% ../../nbs/60_full_finetune_single_device.ipynb #f057d548
 def resume_state(cfg: DictConfig, model: torch.nn.Module) -> Optional[dict]:
     "With resume_from_checkpoint, the newest step checkpoint's recipe state, its weights loaded into `model`."
     if not cfg.get("resume_from_checkpoint", False):
@@ -69,6 +69,10 @@ def train(cfg: DictConfig) -> list[dict]:
     tokenizer = config.instantiate(cfg.tokenizer)
     loader = build_dataloader(cfg, tokenizer, generator)
     optimizer = config.instantiate(cfg.optimizer, model.parameters())
+    if cfg.get("preflight", True):
+        report = training.preflight.preflight_report(cfg, model=model, tokenizer=tokenizer, dataset=loader.dataset)
+        training.preflight.save_report(report, output_dir)
+        print(training.preflight.format_report(report))
     accumulation = cfg.get("gradient_accumulation_steps", 1)
     steps_per_epoch = len(loader) // accumulation
     if cfg.get("max_steps_per_epoch"):
@@ -98,6 +102,11 @@ def train(cfg: DictConfig) -> list[dict]:
                 pending_rng = None
             step += 1
             metrics = training.train_step(model, optimizer, micro, step, cfg.get("clip_grad_norm"), lr_scheduler)
+            if step == 1:
+                warning = training.preflight.check_first_loss(metrics["loss"], model.tok_embeddings.num_embeddings,
+                                                              pretrained=bool(cfg.checkpointer.get("checkpoint_files", True)))
+                if warning:
+                    print(f"WARNING: {warning}")
             logger.log(epoch=epoch, **metrics)
             history.append(metrics)
             progress.update(1)
@@ -113,7 +122,7 @@ def train(cfg: DictConfig) -> list[dict]:
     print(f"Saved the model in Hugging Face format to {folder}")
     return history
 
-# %% ../../nbs/60_full_finetune_single_device.ipynb #b838d911
+# %% ../../nbs/60_full_finetune_single_device.ipynb #595de4dd
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
     "Entry point: `tunelit run full_finetune_single_device --config tiny/full [key=value ...]`."
@@ -121,7 +130,7 @@ def recipe_main(cfg: DictConfig) -> None:
     if history:
         print(f"Trained {len(history)} steps: loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f}.")
 
-# %% ../../nbs/60_full_finetune_single_device.ipynb #f8b8148e
+# %% ../../nbs/60_full_finetune_single_device.ipynb #bfccc539
 #| eval: false
 if __name__ == "__main__":
     sys.exit(recipe_main())

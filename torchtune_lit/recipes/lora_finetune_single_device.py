@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['load_lora_model', 'adapter_config', 'resume_state', 'train', 'recipe_main']
 
-# %% ../../nbs/61_lora_finetune_single_device.ipynb #ea70616f
+# %% ../../nbs/61_lora_finetune_single_device.ipynb #d893d065
 import sys
 from pathlib import Path
 from typing import Optional
@@ -19,7 +19,7 @@ import torchtune_lit.modules.peft as peft
 import torchtune_lit.training as training
 import torchtune_lit.recipes.full_finetune_single_device as full_finetune
 
-# %% ../../nbs/61_lora_finetune_single_device.ipynb #d25683e0
+# %% ../../nbs/61_lora_finetune_single_device.ipynb #d812654c
 def load_lora_model(cfg: DictConfig, checkpointer, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     "The LoRA model with the base checkpoint loaded (only adapters may be missing) and only adapters trainable."
     model = config.instantiate(cfg.model)
@@ -40,7 +40,7 @@ def adapter_config(cfg: DictConfig) -> dict:
             "target_modules": peft.get_lora_module_names(m.lora_attn_modules, m.get("apply_lora_to_mlp", False),
                                                          m.get("apply_lora_to_output", False))}
 
-# %% ../../nbs/61_lora_finetune_single_device.ipynb #16cdb32e
+# %% ../../nbs/61_lora_finetune_single_device.ipynb #d27e95af
 def resume_state(cfg: DictConfig, model: torch.nn.Module) -> Optional[dict]:
     "With resume_from_checkpoint, the newest step checkpoint's recipe state, its adapter weights loaded into `model`."
     if not cfg.get("resume_from_checkpoint", False):
@@ -73,6 +73,10 @@ def train(cfg: DictConfig) -> list[dict]:
     tokenizer = config.instantiate(cfg.tokenizer)
     loader = full_finetune.build_dataloader(cfg, tokenizer, generator)
     optimizer = config.instantiate(cfg.optimizer, [p for p in model.parameters() if p.requires_grad])
+    if cfg.get("preflight", True):
+        report = training.preflight.preflight_report(cfg, model=model, tokenizer=tokenizer, dataset=loader.dataset)
+        training.preflight.save_report(report, output_dir)
+        print(training.preflight.format_report(report))
     accumulation = cfg.get("gradient_accumulation_steps", 1)
     steps_per_epoch = len(loader) // accumulation
     if cfg.get("max_steps_per_epoch"):
@@ -103,6 +107,11 @@ def train(cfg: DictConfig) -> list[dict]:
                 pending_rng = None
             step += 1
             metrics = training.train_step(model, optimizer, micro, step, cfg.get("clip_grad_norm"), lr_scheduler)
+            if step == 1:
+                warning = training.preflight.check_first_loss(metrics["loss"], model.tok_embeddings.num_embeddings,
+                                                              pretrained=bool(cfg.checkpointer.get("checkpoint_files", True)))
+                if warning:
+                    print(f"WARNING: {warning}")
             logger.log(epoch=epoch, **metrics)
             history.append(metrics)
             progress.update(1)
@@ -123,7 +132,7 @@ def train(cfg: DictConfig) -> list[dict]:
     print(f"Saved the merged model (Hugging Face format) to {folder} and the adapter (PEFT format) to {folder / 'adapter'}")
     return history
 
-# %% ../../nbs/61_lora_finetune_single_device.ipynb #26d5e0b6
+# %% ../../nbs/61_lora_finetune_single_device.ipynb #92189387
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
     "Entry point: `tunelit run lora_finetune_single_device --config tiny/lora [key=value ...]`."
@@ -131,7 +140,7 @@ def recipe_main(cfg: DictConfig) -> None:
     if history:
         print(f"Trained {len(history)} steps: loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f}.")
 
-# %% ../../nbs/61_lora_finetune_single_device.ipynb #718ef09a
+# %% ../../nbs/61_lora_finetune_single_device.ipynb #15738a1b
 #| eval: false
 if __name__ == "__main__":
     sys.exit(recipe_main())
