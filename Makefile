@@ -36,7 +36,7 @@ test-site:
 	$(BIN)/python docs/build_site.py
 
 test-nbs:
-	cd nbs && ../$(BIN)/nbdev_test --n_workers 2 --timing
+	cd nbs && OMP_NUM_THREADS=1 ../$(BIN)/nbdev_test --n_workers 2 --timing
 
 test-py:
 	$(BIN)/python -m pytest tests/ -q

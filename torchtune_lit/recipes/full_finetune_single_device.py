@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['build_dataloader', 'load_model', 'resume_state', 'train', 'recipe_main']
 
-# %% ../../nbs/60_full_finetune_single_device.ipynb #8673eda1
+# %% ../../nbs/60_full_finetune_single_device.ipynb #ab93c823
 import sys
 from pathlib import Path
 from typing import Optional
@@ -19,7 +19,7 @@ import torchtune_lit.config as config
 import torchtune_lit.data as data
 import torchtune_lit.training as training
 
-# %% ../../nbs/60_full_finetune_single_device.ipynb #b9f1edd2
+# %% ../../nbs/60_full_finetune_single_device.ipynb #0f84a985
 def build_dataloader(cfg: DictConfig, tokenizer, generator: torch.Generator) -> DataLoader:
     "The training DataLoader: the config's dataset, seeded shuffling, the padded or packed collate function."
     dataset = config.instantiate(cfg.dataset, tokenizer)
@@ -41,7 +41,7 @@ def load_model(cfg: DictConfig, checkpointer, device: torch.device, dtype: torch
         print("No checkpoint files: training from the model's initialisation.")
     return model.to(device=device, dtype=dtype)
 
-# %% ../../nbs/60_full_finetune_single_device.ipynb #f057d548
+# %% ../../nbs/60_full_finetune_single_device.ipynb #3bba8ea1
 def resume_state(cfg: DictConfig, model: torch.nn.Module) -> Optional[dict]:
     "With resume_from_checkpoint, the newest step checkpoint's recipe state, its weights loaded into `model`."
     if not cfg.get("resume_from_checkpoint", False):
@@ -89,6 +89,7 @@ def train(cfg: DictConfig) -> list[dict]:
         generator.set_state(resumed["rng"]["generator"])
     pending_rng = resumed["rng"] if resumed else None
     logger, history = training.JsonlLogger(output_dir), []
+    extra_logger = config.instantiate(cfg.get("metric_logger"))       # optional: TensorBoard, W&B, MLflow, stdout
     progress = tqdm(total=total_steps, initial=step, desc="train", disable=not cfg.get("progress_bar", True))
     for epoch in range(start_epoch, cfg.epochs):
         epoch_generator_state = generator.get_state()
@@ -107,7 +108,10 @@ def train(cfg: DictConfig) -> list[dict]:
                                                               pretrained=bool(cfg.checkpointer.get("checkpoint_files", True)))
                 if warning:
                     print(f"WARNING: {warning}")
+            metrics.update(training.get_memory_stats(device))
             logger.log(epoch=epoch, **metrics)
+            if extra_logger is not None:
+                extra_logger.log_dict(metrics, step)
             history.append(metrics)
             progress.update(1)
             progress.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.1e}", tok_s=f"{metrics['tokens_per_second']:.0f}")
@@ -118,11 +122,13 @@ def train(cfg: DictConfig) -> list[dict]:
                 training.prune_step_checkpoints(output_dir, cfg.get("keep_last_n_checkpoints", 2))
     progress.close()
     logger.close()
+    if extra_logger is not None:
+        extra_logger.close()
     folder = checkpointer.save_checkpoint({"model": model.state_dict()}, epoch=cfg.epochs - 1)
     print(f"Saved the model in Hugging Face format to {folder}")
     return history
 
-# %% ../../nbs/60_full_finetune_single_device.ipynb #595de4dd
+# %% ../../nbs/60_full_finetune_single_device.ipynb #a9efae80
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
     "Entry point: `tunelit run full_finetune_single_device --config tiny/full [key=value ...]`."
@@ -130,7 +136,7 @@ def recipe_main(cfg: DictConfig) -> None:
     if history:
         print(f"Trained {len(history)} steps: loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f}.")
 
-# %% ../../nbs/60_full_finetune_single_device.ipynb #bfccc539
+# %% ../../nbs/60_full_finetune_single_device.ipynb #cfa74aa9
 #| eval: false
 if __name__ == "__main__":
     sys.exit(recipe_main())

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['load_lora_model', 'adapter_config', 'resume_state', 'train', 'recipe_main']
 
-# %% ../../nbs/61_lora_finetune_single_device.ipynb #d893d065
+# %% ../../nbs/61_lora_finetune_single_device.ipynb #e401c657
 import sys
 from pathlib import Path
 from typing import Optional
@@ -19,7 +19,7 @@ import torchtune_lit.modules.peft as peft
 import torchtune_lit.training as training
 import torchtune_lit.recipes.full_finetune_single_device as full_finetune
 
-# %% ../../nbs/61_lora_finetune_single_device.ipynb #d812654c
+# %% ../../nbs/61_lora_finetune_single_device.ipynb #d2fcc061
 def load_lora_model(cfg: DictConfig, checkpointer, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     "The LoRA model with the base checkpoint loaded (only adapters may be missing) and only adapters trainable."
     model = config.instantiate(cfg.model)
@@ -40,7 +40,7 @@ def adapter_config(cfg: DictConfig) -> dict:
             "target_modules": peft.get_lora_module_names(m.lora_attn_modules, m.get("apply_lora_to_mlp", False),
                                                          m.get("apply_lora_to_output", False))}
 
-# %% ../../nbs/61_lora_finetune_single_device.ipynb #d27e95af
+# %% ../../nbs/61_lora_finetune_single_device.ipynb #8c87f0f8
 def resume_state(cfg: DictConfig, model: torch.nn.Module) -> Optional[dict]:
     "With resume_from_checkpoint, the newest step checkpoint's recipe state, its adapter weights loaded into `model`."
     if not cfg.get("resume_from_checkpoint", False):
@@ -94,6 +94,7 @@ def train(cfg: DictConfig) -> list[dict]:
         generator.set_state(resumed["rng"]["generator"])
     pending_rng = resumed["rng"] if resumed else None
     logger, history = training.JsonlLogger(output_dir), []
+    extra_logger = config.instantiate(cfg.get("metric_logger"))       # optional: TensorBoard, W&B, MLflow, stdout
     progress = tqdm(total=total_steps, initial=step, desc="train", disable=not cfg.get("progress_bar", True))
     for epoch in range(start_epoch, cfg.epochs):
         epoch_generator_state = generator.get_state()
@@ -112,7 +113,10 @@ def train(cfg: DictConfig) -> list[dict]:
                                                               pretrained=bool(cfg.checkpointer.get("checkpoint_files", True)))
                 if warning:
                     print(f"WARNING: {warning}")
+            metrics.update(training.get_memory_stats(device))
             logger.log(epoch=epoch, **metrics)
+            if extra_logger is not None:
+                extra_logger.log_dict(metrics, step)
             history.append(metrics)
             progress.update(1)
             progress.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.1e}", tok_s=f"{metrics['tokens_per_second']:.0f}")
@@ -124,6 +128,8 @@ def train(cfg: DictConfig) -> list[dict]:
                 training.prune_step_checkpoints(output_dir, cfg.get("keep_last_n_checkpoints", 2))
     progress.close()
     logger.close()
+    if extra_logger is not None:
+        extra_logger.close()
 
     state = model.state_dict()
     folder = checkpointer.save_checkpoint({
@@ -132,7 +138,7 @@ def train(cfg: DictConfig) -> list[dict]:
     print(f"Saved the merged model (Hugging Face format) to {folder} and the adapter (PEFT format) to {folder / 'adapter'}")
     return history
 
-# %% ../../nbs/61_lora_finetune_single_device.ipynb #92189387
+# %% ../../nbs/61_lora_finetune_single_device.ipynb #18060abd
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
     "Entry point: `tunelit run lora_finetune_single_device --config tiny/lora [key=value ...]`."
@@ -140,7 +146,7 @@ def recipe_main(cfg: DictConfig) -> None:
     if history:
         print(f"Trained {len(history)} steps: loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f}.")
 
-# %% ../../nbs/61_lora_finetune_single_device.ipynb #15738a1b
+# %% ../../nbs/61_lora_finetune_single_device.ipynb #9f90b5f8
 #| eval: false
 if __name__ == "__main__":
     sys.exit(recipe_main())
