@@ -5,13 +5,13 @@
 # %% auto #0
 __all__ = ['build_dataloader', 'load_model', 'resume_state', 'train', 'recipe_main']
 
-# %% ../../nbs/60_full_finetune_single_device.ipynb #ab93c823
+# %% ../../nbs/60_full_finetune_single_device.ipynb #bcace9cb
 import sys
 from pathlib import Path
 from typing import Optional
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
@@ -19,7 +19,7 @@ import torchtune_lit.config as config
 import torchtune_lit.data as data
 import torchtune_lit.training as training
 
-# %% ../../nbs/60_full_finetune_single_device.ipynb #0f84a985
+# %% ../../nbs/60_full_finetune_single_device.ipynb #5c5dc990
 def build_dataloader(cfg: DictConfig, tokenizer, generator: torch.Generator) -> DataLoader:
     "The training DataLoader: the config's dataset, seeded shuffling, the padded or packed collate function."
     dataset = config.instantiate(cfg.dataset, tokenizer)
@@ -41,7 +41,7 @@ def load_model(cfg: DictConfig, checkpointer, device: torch.device, dtype: torch
         print("No checkpoint files: training from the model's initialisation.")
     return model.to(device=device, dtype=dtype)
 
-# %% ../../nbs/60_full_finetune_single_device.ipynb #3bba8ea1
+# %% ../../nbs/60_full_finetune_single_device.ipynb #8267100a
 def resume_state(cfg: DictConfig, model: torch.nn.Module) -> Optional[dict]:
     "With resume_from_checkpoint, the newest step checkpoint's recipe state, its weights loaded into `model`."
     if not cfg.get("resume_from_checkpoint", False):
@@ -57,12 +57,7 @@ def resume_state(cfg: DictConfig, model: torch.nn.Module) -> Optional[dict]:
 
 def train(cfg: DictConfig) -> list[dict]:
     "Run the recipe described by `cfg`; return the metrics of every optimizer step it ran."
-    device = training.get_device(cfg.device)
-    dtype = training.get_dtype(cfg.dtype, device)
-    generator = training.set_seed(cfg.seed)
-    output_dir = Path(cfg.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(cfg, output_dir / "config.yaml")
+    device, dtype, generator, output_dir = training.setup_run(cfg)
 
     checkpointer = config.instantiate(cfg.checkpointer)
     model = load_model(cfg, checkpointer, device, dtype)
@@ -128,7 +123,7 @@ def train(cfg: DictConfig) -> list[dict]:
     print(f"Saved the model in Hugging Face format to {folder}")
     return history
 
-# %% ../../nbs/60_full_finetune_single_device.ipynb #a9efae80
+# %% ../../nbs/60_full_finetune_single_device.ipynb #1657c5e4
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
     "Entry point: `tunelit run full_finetune_single_device --config tiny/full [key=value ...]`."
@@ -136,7 +131,7 @@ def recipe_main(cfg: DictConfig) -> None:
     if history:
         print(f"Trained {len(history)} steps: loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f}.")
 
-# %% ../../nbs/60_full_finetune_single_device.ipynb #cfa74aa9
+# %% ../../nbs/60_full_finetune_single_device.ipynb #adbc3854
 #| eval: false
 if __name__ == "__main__":
     sys.exit(recipe_main())

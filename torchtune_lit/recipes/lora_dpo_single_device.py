@@ -5,12 +5,12 @@
 # %% auto #0
 __all__ = ['dpo_step', 'train', 'recipe_main']
 
-# %% ../../nbs/66_lora_dpo_single_device.ipynb #2e06af40
+# %% ../../nbs/66_lora_dpo_single_device.ipynb #abb9b74a
 import sys
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
@@ -22,7 +22,7 @@ import torchtune_lit.rlhf as rlhf
 import torchtune_lit.rlhf.loss as preference_losses
 import torchtune_lit.training as training
 
-# %% ../../nbs/66_lora_dpo_single_device.ipynb #24bd370b
+# %% ../../nbs/66_lora_dpo_single_device.ipynb #df549c5e
 def dpo_step(model, loss_fn, batch, optimizer, step: int, clip_grad_norm=None) -> dict:
     "One DPO step on a (input_ids, labels) preference batch, chosen rows first; returns the logged metrics."
     reference_free = isinstance(loss_fn, preference_losses.SimPOLoss)
@@ -49,12 +49,7 @@ def dpo_step(model, loss_fn, batch, optimizer, step: int, clip_grad_norm=None) -
 
 def train(cfg: DictConfig) -> list[dict]:
     "Run the recipe described by `cfg`; return the metrics of every step."
-    device = training.get_device(cfg.device)
-    dtype = training.get_dtype(cfg.dtype, device)
-    generator = training.set_seed(cfg.seed)
-    output_dir = Path(cfg.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(cfg, output_dir / "config.yaml")
+    device, dtype, generator, output_dir = training.setup_run(cfg)
     checkpointer = config.instantiate(cfg.checkpointer)
     model = lora_recipe.load_lora_model(cfg, checkpointer, device, dtype)
     tokenizer = config.instantiate(cfg.tokenizer)
@@ -85,7 +80,7 @@ def train(cfg: DictConfig) -> list[dict]:
     print(f"Saved the merged model to {folder} and the adapter (PEFT format) to {folder / 'adapter'}")
     return history
 
-# %% ../../nbs/66_lora_dpo_single_device.ipynb #f7cd9ddc
+# %% ../../nbs/66_lora_dpo_single_device.ipynb #fc755c20
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
     "Entry point: `tunelit run lora_dpo_single_device --config tiny/dpo [key=value ...]`."
@@ -94,7 +89,7 @@ def recipe_main(cfg: DictConfig) -> None:
     print(f"DPO: loss {first['loss']:.4f} -> {last['loss']:.4f}, reward margin {first['rewards/margin']:.3f} -> "
           f"{last['rewards/margin']:.3f}, reward accuracy {last['rewards/accuracy']:.2f}")
 
-# %% ../../nbs/66_lora_dpo_single_device.ipynb #b9d814c0
+# %% ../../nbs/66_lora_dpo_single_device.ipynb #d7034ba3
 #| eval: false
 if __name__ == "__main__":
     sys.exit(recipe_main())

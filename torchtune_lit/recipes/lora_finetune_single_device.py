@@ -5,13 +5,13 @@
 # %% auto #0
 __all__ = ['load_lora_model', 'adapter_config', 'resume_state', 'train', 'recipe_main']
 
-# %% ../../nbs/61_lora_finetune_single_device.ipynb #e401c657
+# %% ../../nbs/61_lora_finetune_single_device.ipynb #cd494c9d
 import sys
 from pathlib import Path
 from typing import Optional
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 import torchtune_lit.config as config
@@ -19,7 +19,7 @@ import torchtune_lit.modules.peft as peft
 import torchtune_lit.training as training
 import torchtune_lit.recipes.full_finetune_single_device as full_finetune
 
-# %% ../../nbs/61_lora_finetune_single_device.ipynb #d2fcc061
+# %% ../../nbs/61_lora_finetune_single_device.ipynb #da21e271
 def load_lora_model(cfg: DictConfig, checkpointer, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     "The LoRA model with the base checkpoint loaded (only adapters may be missing) and only adapters trainable."
     model = config.instantiate(cfg.model)
@@ -40,7 +40,7 @@ def adapter_config(cfg: DictConfig) -> dict:
             "target_modules": peft.get_lora_module_names(m.lora_attn_modules, m.get("apply_lora_to_mlp", False),
                                                          m.get("apply_lora_to_output", False))}
 
-# %% ../../nbs/61_lora_finetune_single_device.ipynb #8c87f0f8
+# %% ../../nbs/61_lora_finetune_single_device.ipynb #618fcb56
 def resume_state(cfg: DictConfig, model: torch.nn.Module) -> Optional[dict]:
     "With resume_from_checkpoint, the newest step checkpoint's recipe state, its adapter weights loaded into `model`."
     if not cfg.get("resume_from_checkpoint", False):
@@ -59,12 +59,7 @@ def resume_state(cfg: DictConfig, model: torch.nn.Module) -> Optional[dict]:
 
 def train(cfg: DictConfig) -> list[dict]:
     "Run the recipe described by `cfg`; return the metrics of every optimizer step it ran."
-    device = training.get_device(cfg.device)
-    dtype = training.get_dtype(cfg.dtype, device)
-    generator = training.set_seed(cfg.seed)
-    output_dir = Path(cfg.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(cfg, output_dir / "config.yaml")
+    device, dtype, generator, output_dir = training.setup_run(cfg)
 
     checkpointer = config.instantiate(cfg.checkpointer)
     model = load_lora_model(cfg, checkpointer, device, dtype)
@@ -138,7 +133,7 @@ def train(cfg: DictConfig) -> list[dict]:
     print(f"Saved the merged model (Hugging Face format) to {folder} and the adapter (PEFT format) to {folder / 'adapter'}")
     return history
 
-# %% ../../nbs/61_lora_finetune_single_device.ipynb #18060abd
+# %% ../../nbs/61_lora_finetune_single_device.ipynb #f098446d
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
     "Entry point: `tunelit run lora_finetune_single_device --config tiny/lora [key=value ...]`."
@@ -146,7 +141,7 @@ def recipe_main(cfg: DictConfig) -> None:
     if history:
         print(f"Trained {len(history)} steps: loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f}.")
 
-# %% ../../nbs/61_lora_finetune_single_device.ipynb #9f90b5f8
+# %% ../../nbs/61_lora_finetune_single_device.ipynb #3e84e7ea
 #| eval: false
 if __name__ == "__main__":
     sys.exit(recipe_main())

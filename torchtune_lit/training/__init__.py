@@ -7,21 +7,22 @@ __all__ = ['metric_logging', 'get_memory_stats', 'preflight', 'gather_full_state
            'CheckpointError', 'FullModelHFCheckpointer', 'load_model_state_dict', 'DTYPES', 'JsonlLogger',
            'capture_rng_state', 'check_loss_is_finite', 'get_device', 'get_dtype', 'latest_step_checkpoint',
            'load_recipe_state', 'lr_schedulers', 'make_recipe_state', 'prune_step_checkpoints', 'read_jsonl',
-           'restore_rng_state', 'restore_training_state', 'scale_grads', 'set_seed', 'shift_labels',
+           'restore_rng_state', 'restore_training_state', 'setup_run', 'scale_grads', 'set_seed', 'shift_labels',
            'summed_cross_entropy', 'train_step', 'truncate_log']
 
-# %% ../../nbs/59_training_map.ipynb #ac32e781
+# %% ../../nbs/59_training_map.ipynb #f59b3fd6
 from . import lr_schedulers, metric_logging, preflight
 from .metric_logging import get_memory_stats
 from ._distributed import gather_full_state_dict, init_distributed, shard_model
 from ._utils import (DTYPES, JsonlLogger, capture_rng_state, check_loss_is_finite, get_device,
                                            get_dtype, latest_step_checkpoint, load_recipe_state, make_recipe_state,
-                                           prune_step_checkpoints, read_jsonl, restore_rng_state, restore_training_state, scale_grads, set_seed, shift_labels,
+                                           prune_step_checkpoints, read_jsonl, restore_rng_state, restore_training_state,
+                                           scale_grads, set_seed, setup_run, shift_labels,
                                            summed_cross_entropy, train_step, truncate_log)
 from .checkpointing import CheckpointError, FullModelHFCheckpointer, load_model_state_dict
 
 _all_ = ["metric_logging", "get_memory_stats", "preflight", "gather_full_state_dict", "init_distributed", "shard_model", "CheckpointError", "FullModelHFCheckpointer", "load_model_state_dict", "DTYPES", "JsonlLogger",
          "capture_rng_state", "check_loss_is_finite", "get_device", "get_dtype", "latest_step_checkpoint",
          "load_recipe_state", "lr_schedulers", "make_recipe_state", "prune_step_checkpoints", "read_jsonl",
-         "restore_rng_state", "restore_training_state", "scale_grads", "set_seed",
+         "restore_rng_state", "restore_training_state", "setup_run", "scale_grads", "set_seed",
          "shift_labels", "summed_cross_entropy", "train_step", "truncate_log"]
