@@ -119,3 +119,38 @@ def test_base_tokenizer_ids_equal_transformers(family, text):
         assert base.encode(text, add_bos=True, add_eos=True) == (
             [reference.bos_token_id] + reference(text, add_special_tokens=False)["input_ids"] + [reference.eos_token_id])
     assert base.decode(base.encode(text, False, False)) == text
+
+
+GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+
+def _byte_level_table():
+    "GPT-2's printable-character -> byte table, as ByteLevel writes BPE tokens."
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b); cs.append(256 + n); n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+@pytest.mark.parametrize("text", ["plain text", "  leading and trailing  ", "emoji 🙂 and ünïcödé", "dob: 1987-03-04\n"])
+def test_tiktoken_base_tokenizer_equals_transformers_on_the_same_bpe(tmp_path, text):
+    "A tiktoken rank file written from a byte-level BPE's vocabulary tokenises like transformers does with the BPE."
+    import base64
+    from torchtune_lit.tokenizers._base import TikTokenBaseTokenizer
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train([_asset_path("tiny/corpus.txt")], trainers.BpeTrainer(vocab_size=600, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                                    show_progress=False))
+    bpe.save(str(tmp_path / "tokenizer.json"))
+    to_byte = _byte_level_table()
+    with open(tmp_path / "ranks.tiktoken", "w") as f:
+        for token, rank in sorted(bpe.get_vocab().items(), key=lambda kv: kv[1]):
+            f.write(base64.b64encode(bytes(to_byte[c] for c in token)).decode() + f" {rank}\n")
+    n = bpe.get_vocab_size()
+    ours = TikTokenBaseTokenizer(tmp_path / "ranks.tiktoken", name="t", pattern=GPT2_PATTERN, bos_id=n, eos_id=n + 1,
+                                 special_tokens={"<|begin|>": n, "<|end|>": n + 1})
+    reference = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
+    assert ours.encode(text, add_bos=False, add_eos=False) == reference(text, add_special_tokens=False)["input_ids"]

@@ -1,0 +1,40 @@
+"""Dataset builders on the shipped tiny world through `datasets`: filters, system prompts, packing, preference pairs."""
+import json
+
+import pytest
+
+from torchtune_lit.config import _asset_path
+from torchtune_lit.data import Message
+from torchtune_lit.datasets import instruct_dataset, preference_dataset, text_completion_dataset, tiny_tokenizer
+
+
+def test_filter_fn_and_new_system_prompt():
+    tok = tiny_tokenizer()
+    ds = instruct_dataset(tok, source="json", data_files=_asset_path("tiny/column_types_train.jsonl"),
+                          column_map={"input": "prompt", "output": "label"}, filter_fn=lambda row: row["label"] == "url",
+                          new_system_prompt="Answer with one label.")
+    assert len(ds) == 40
+    text = tok.decode(ds[0]["tokens"])
+    assert text.startswith("<|start_header_id|>system<|end_header_id|>\n\nAnswer with one label.<|eot_id|>")
+    trained = tok.decode([t for t, l in zip(ds[0]["tokens"], ds[0]["labels"]) if l != -100])
+    assert "url" in trained and "Column:" not in trained        # the prompt is masked, the answer trained
+
+
+def test_packed_text_completion_fills_rows_exactly():
+    tok = tiny_tokenizer(max_seq_len=128)
+    packed = text_completion_dataset(tok, source="json", data_files=_asset_path("tiny/pretrain.jsonl"), packed=True)
+    assert len(packed) > 10 and all(len(packed[i]["tokens"]) == 128 for i in range(len(packed)))
+    assert all(sum(packed[i]["seq_lens"]) == 128 for i in range(len(packed)))
+
+
+def test_preference_pairs_share_their_masked_prompt():
+    tok = tiny_tokenizer()
+    pair = preference_dataset(tok, source="json", data_files=_asset_path("tiny/preference.jsonl"))[0]
+    n = sum(l == -100 for l in pair["chosen_labels"])
+    assert pair["chosen_input_ids"][:n] == pair["rejected_input_ids"][:n]
+    assert pair["chosen_input_ids"] != pair["rejected_input_ids"]
+
+
+def test_missing_data_file_names_the_fix(tmp_path):
+    with pytest.raises(FileNotFoundError, match="data_files"):
+        instruct_dataset(tiny_tokenizer(), source="json", data_files=str(tmp_path / "absent.jsonl"))
