@@ -1,0 +1,93 @@
+"""Tokens/s and peak memory of one training configuration: ours or transformers (+ peft), full / LoRA / QLoRA.
+
+    python benchmarks/train_step.py --impl ours --mode lora --dtype bf16          # prints one JSON line
+
+Forward + backward + AdamW step on random tokens of a Llama shape given on the command line (default: the tiny
+Llama, vocab 2048, 4 layers, dim 256, 8 heads, 4 kv heads, ffn 768) at batch 8 x 256; the median step time after
+warm-up. Both implementations get the same weights (ours is loaded from the transformers model through our
+checkpoint converter), the same LoRA targets and rank, the same data and seed. Peak memory is the process's peak
+resident set on CPU (the CUDA allocator's peak on GPU). `compare.py` runs two of these alternately.
+"""
+import argparse
+import json
+import resource
+import statistics
+import tempfile
+import time
+
+import torch
+
+
+def hf_model(args):
+    import transformers
+    config = transformers.LlamaConfig(vocab_size=args.vocab, hidden_size=args.dim, intermediate_size=args.ffn,
+                                      num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                                      num_key_value_heads=args.kv_heads, max_position_embeddings=args.seq,
+                                      attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
+def build(args):
+    "(model, trainable parameters, forward returning logits) for the chosen implementation and mode."
+    reference = hf_model(args)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    if args.impl == "hf":
+        model = reference
+        if args.mode != "full":
+            import peft
+            if args.mode == "qlora":
+                raise SystemExit("transformers QLoRA needs bitsandbytes on CUDA; not measured on CPU")
+            model = peft.get_peft_model(model, peft.LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=targets))
+        forward = lambda tokens: model(tokens).logits
+    else:
+        from torchtune_lit.models import build_from_hf_config
+        from torchtune_lit.models.convert_weights import hf_to_tune
+        from torchtune_lit.modules.peft import apply_lora, get_adapter_params, set_trainable_params
+        model = build_from_hf_config(reference.config.to_dict())
+        state = hf_to_tune(reference.state_dict(), args.heads, args.kv_heads, args.dim)
+        model.load_state_dict(state)
+        if args.mode != "full":
+            model = apply_lora(model, ["q_proj", "k_proj", "v_proj", "output_proj"], apply_lora_to_mlp=True,
+                               lora_rank=args.rank, lora_alpha=2 * args.rank, quantize_base=args.mode == "qlora")
+            set_trainable_params(model, get_adapter_params(model))
+        forward = model
+    model = model.to(torch.bfloat16 if args.dtype == "bf16" else torch.float32)
+    if args.compile:
+        forward = torch.compile(forward)
+    return model, [p for p in model.parameters() if p.requires_grad], forward
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--impl", choices=["ours", "hf"], default="ours")
+    parser.add_argument("--mode", choices=["full", "lora", "qlora"], default="full")
+    parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    parser.add_argument("--compile", action="store_true")
+    for name, default in [("vocab", 2048), ("layers", 4), ("dim", 256), ("heads", 8), ("kv_heads", 4), ("ffn", 768),
+                          ("batch", 8), ("seq", 256), ("rank", 8), ("warmup", 3), ("steps", 10)]:
+        parser.add_argument(f"--{name}", type=int, default=default)
+    args = parser.parse_args()
+    model, params, forward = build(args)
+    optimizer = torch.optim.AdamW(params, lr=1e-4)
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)
+    times = []
+    for step in range(args.warmup + args.steps):
+        start = time.perf_counter()
+        logits = forward(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step >= args.warmup:
+            times.append(time.perf_counter() - start)
+    median = statistics.median(times)
+    print(json.dumps({"impl": args.impl, "mode": args.mode, "dtype": args.dtype, "compile": args.compile,
+                      "tokens_per_second": args.batch * args.seq / median, "step_seconds": median,
+                      "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                      "trainable_parameters": sum(p.numel() for p in params), "final_loss": loss.item()}))
+
+
+if __name__ == "__main__":
+    main()
