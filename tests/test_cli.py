@@ -118,3 +118,11 @@ def test_download_without_hub_is_one_line(tmp_path):
                      env={"HF_ENDPOINT": "http://127.0.0.1:9", "HF_TOKEN": "hf_secret_never_printed"})
     assert_one_line_error(result, "cannot reach the Hugging Face Hub")
     assert "hf_secret_never_printed" not in result.stderr + result.stdout
+
+
+def test_sanity_flag_reports_whether_the_pipeline_can_learn():
+    result = tunelit("run", "lora_finetune_single_device", "--config", "tiny/lora", "--sanity")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "the pipeline can learn" in result.stdout
+    frozen = tunelit("run", "lora_finetune_single_device", "--config", "tiny/lora", "--sanity", "optimizer.lr=0.0")
+    assert frozen.returncode == 1 and "did NOT go near zero" in frozen.stdout

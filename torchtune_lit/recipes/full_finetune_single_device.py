@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['build_dataloader', 'load_model', 'resume_state', 'train', 'recipe_main']
 
-# %% ../../nbs/60_full_finetune_single_device.ipynb #bcace9cb
+# %% ../../nbs/60_full_finetune_single_device.ipynb #fb20282e
 import sys
 from pathlib import Path
 from typing import Optional
@@ -19,10 +19,12 @@ import torchtune_lit.config as config
 import torchtune_lit.data as data
 import torchtune_lit.training as training
 
-# %% ../../nbs/60_full_finetune_single_device.ipynb #5c5dc990
+# %% ../../nbs/60_full_finetune_single_device.ipynb #594e7624
 def build_dataloader(cfg: DictConfig, tokenizer, generator: torch.Generator) -> DataLoader:
     "The training DataLoader: the config's dataset, seeded shuffling, the padded or packed collate function."
     dataset = config.instantiate(cfg.dataset, tokenizer)
+    if cfg.get("sanity_check"):                   # `tunelit run ... --sanity`: overfit a handful of samples
+        dataset = torch.utils.data.Subset(dataset, range(min(cfg.sanity_check, len(dataset))))
     packed = cfg.dataset.get("packed", False)
     loader = DataLoader(dataset, batch_size=cfg.batch_size, shuffle=cfg.get("shuffle", True), generator=generator,
                         drop_last=True, collate_fn=data.padded_collate_packed if packed else data.padded_collate_sft)
@@ -41,7 +43,7 @@ def load_model(cfg: DictConfig, checkpointer, device: torch.device, dtype: torch
         print("No checkpoint files: training from the model's initialisation.")
     return model.to(device=device, dtype=dtype)
 
-# %% ../../nbs/60_full_finetune_single_device.ipynb #8267100a
+# %% ../../nbs/60_full_finetune_single_device.ipynb #10a08788
 def resume_state(cfg: DictConfig, model: torch.nn.Module) -> Optional[dict]:
     "With resume_from_checkpoint, the newest step checkpoint's recipe state, its weights loaded into `model`."
     if not cfg.get("resume_from_checkpoint", False):
@@ -123,7 +125,7 @@ def train(cfg: DictConfig) -> list[dict]:
     print(f"Saved the model in Hugging Face format to {folder}")
     return history
 
-# %% ../../nbs/60_full_finetune_single_device.ipynb #1657c5e4
+# %% ../../nbs/60_full_finetune_single_device.ipynb #17af8f10
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
     "Entry point: `tunelit run full_finetune_single_device --config tiny/full [key=value ...]`."
@@ -131,7 +133,7 @@ def recipe_main(cfg: DictConfig) -> None:
     if history:
         print(f"Trained {len(history)} steps: loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f}.")
 
-# %% ../../nbs/60_full_finetune_single_device.ipynb #adbc3854
+# %% ../../nbs/60_full_finetune_single_device.ipynb #6a1833c1
 #| eval: false
 if __name__ == "__main__":
     sys.exit(recipe_main())

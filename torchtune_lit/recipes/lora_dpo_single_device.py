@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['dpo_step', 'train', 'recipe_main']
 
-# %% ../../nbs/66_lora_dpo_single_device.ipynb #abb9b74a
+# %% ../../nbs/66_lora_dpo_single_device.ipynb #03dcaaa9
 import sys
 from pathlib import Path
 
@@ -22,7 +22,7 @@ import torchtune_lit.rlhf as rlhf
 import torchtune_lit.rlhf.loss as preference_losses
 import torchtune_lit.training as training
 
-# %% ../../nbs/66_lora_dpo_single_device.ipynb #df549c5e
+# %% ../../nbs/66_lora_dpo_single_device.ipynb #32b0b367
 def dpo_step(model, loss_fn, batch, optimizer, step: int, clip_grad_norm=None) -> dict:
     "One DPO step on a (input_ids, labels) preference batch, chosen rows first; returns the logged metrics."
     reference_free = isinstance(loss_fn, preference_losses.SimPOLoss)
@@ -54,6 +54,8 @@ def train(cfg: DictConfig) -> list[dict]:
     model = lora_recipe.load_lora_model(cfg, checkpointer, device, dtype)
     tokenizer = config.instantiate(cfg.tokenizer)
     dataset = config.instantiate(cfg.dataset, tokenizer)
+    if cfg.get("sanity_check"):                   # `tunelit run ... --sanity`: overfit a handful of pairs
+        dataset = torch.utils.data.Subset(dataset, range(min(cfg.sanity_check, len(dataset))))
     loader = DataLoader(dataset, batch_size=cfg.batch_size, shuffle=True, generator=generator, drop_last=True,
                         collate_fn=data.padded_collate_dpo)
     optimizer = config.instantiate(cfg.optimizer, [p for p in model.parameters() if p.requires_grad])
@@ -80,7 +82,7 @@ def train(cfg: DictConfig) -> list[dict]:
     print(f"Saved the merged model to {folder} and the adapter (PEFT format) to {folder / 'adapter'}")
     return history
 
-# %% ../../nbs/66_lora_dpo_single_device.ipynb #fc755c20
+# %% ../../nbs/66_lora_dpo_single_device.ipynb #443b6d83
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
     "Entry point: `tunelit run lora_dpo_single_device --config tiny/dpo [key=value ...]`."
@@ -89,7 +91,7 @@ def recipe_main(cfg: DictConfig) -> None:
     print(f"DPO: loss {first['loss']:.4f} -> {last['loss']:.4f}, reward margin {first['rewards/margin']:.3f} -> "
           f"{last['rewards/margin']:.3f}, reward accuracy {last['rewards/accuracy']:.2f}")
 
-# %% ../../nbs/66_lora_dpo_single_device.ipynb #d7034ba3
+# %% ../../nbs/66_lora_dpo_single_device.ipynb #85be9651
 #| eval: false
 if __name__ == "__main__":
     sys.exit(recipe_main())
