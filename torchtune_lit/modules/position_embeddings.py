@@ -5,13 +5,13 @@
 # %% auto #0
 __all__ = ['RotaryPositionalEmbeddings', 'Llama3ScaledRoPE']
 
-# %% ../../nbs/11_position_embeddings.ipynb #67ba9b59
+# %% ../../nbs/11_position_embeddings.ipynb #6c086ee3
 from typing import Optional
 
 import torch
 from torch import nn
 
-# %% ../../nbs/11_position_embeddings.ipynb #59de8f4c
+# %% ../../nbs/11_position_embeddings.ipynb #d84444b6
 class RotaryPositionalEmbeddings(nn.Module):
     """Rotary positional embeddings (RoFormer 2021) in Meta's interleaved-pair convention.
 
@@ -58,7 +58,7 @@ class RotaryPositionalEmbeddings(nn.Module):
         rotated = torch.stack([x0 * cos - x1 * sin, x1 * cos + x0 * sin], dim=-1)
         return rotated.flatten(3).type_as(x)
 
-# %% ../../nbs/11_position_embeddings.ipynb #1d469460
+# %% ../../nbs/11_position_embeddings.ipynb #b72f20f7
 class Llama3ScaledRoPE(RotaryPositionalEmbeddings):
     """RoPE with Llama 3.1's frequency scaling: low frequencies slowed by `scale_factor`, high ones kept,
     a smooth blend in between (see the formula above). Llama 3.1 uses scale_factor 8, Llama 3.2 uses 32."""
