@@ -41,7 +41,12 @@ def load_model(cfg: DictConfig, checkpointer, device: torch.device, dtype: torch
         training.load_model_state_dict(model, state)
     else:
         print("No checkpoint files: training from the model's initialisation.")
-    return model.to(device=device, dtype=dtype)
+    model = model.to(device=device, dtype=dtype)
+    if cfg.get("enable_activation_checkpointing", False):   # recompute each layer in backward: less memory, ~1 more forward
+        training.set_activation_checkpointing(model)
+    if cfg.get("compile", False):                            # torch.compile each layer (one graph serves all of them)
+        training.compile_model(model)
+    return model
 
 # %% ../../nbs/60_full_finetune_single_device.ipynb #10a08788
 def resume_state(cfg: DictConfig, model: torch.nn.Module) -> Optional[dict]:

@@ -29,7 +29,12 @@ def load_lora_model(cfg: DictConfig, checkpointer, device: torch.device, dtype: 
         if isinstance(module, peft.DoRALinear):
             module.initialize_dora_magnitude()
     peft.set_trainable_params(model, adapter_params)
-    return model.to(device=device, dtype=dtype)
+    model = model.to(device=device, dtype=dtype)
+    if cfg.get("enable_activation_checkpointing", False):
+        training.set_activation_checkpointing(model)
+    if cfg.get("compile", False):
+        training.compile_model(model)
+    return model
 
 
 def adapter_config(cfg: DictConfig) -> dict:

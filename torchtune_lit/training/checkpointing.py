@@ -150,6 +150,16 @@ def _replace_folder(tmp: Path, final: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def _recover_interrupted_save(final: Path) -> None:
+    """Clean up after a save killed part-way: drop half-written `.NAME.tmp-PID` folders, and if the kill fell between
+    the two renames of `_replace_folder` (`final` moved aside, the new one not yet in place) put the previous one back."""
+    for stale in final.parent.glob(f".{final.name}.tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    old = final.with_name(final.name + ".old")
+    if old.exists() and not final.exists():
+        os.replace(old, final)
+
+
 def _save_checkpoint(self: "FullModelHFCheckpointer", state_dict: dict[str, Any], epoch: int,
                      intermediate_checkpoint: bool = False, adapter_only: bool = False, step: Optional[int] = None,
                      max_shard_bytes: int = 5 * 2**30) -> Path:
@@ -158,8 +168,9 @@ def _save_checkpoint(self: "FullModelHFCheckpointer", state_dict: dict[str, Any]
     if self.output_dir is None:
         raise CheckpointError("save_checkpoint needs the checkpointer's output_dir.")
     final = self.output_dir / (f"step_{step}" if step is not None else f"epoch_{epoch}")
+    self.output_dir.mkdir(parents=True, exist_ok=True)
+    _recover_interrupted_save(final)
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
         self._write_checkpoint_files(state_dict, tmp, intermediate_checkpoint, adapter_only, max_shard_bytes)
