@@ -34,3 +34,64 @@ def test_two_processes_match_one(tmp_path):
     single_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "single" / "epoch_0")
     for (name, p), (_, q) in zip(model.named_parameters(), single_model.named_parameters()):
         torch.testing.assert_close(p, q, atol=2e-4, rtol=1e-3, msg=name)
+
+
+def descendants(pid: int) -> list[int]:
+    "Every process below `pid`, from /proc."
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def test_killed_distributed_run_resumes_exactly_from_sharded_checkpoint(tmp_path):
+    import os
+    import signal
+    import time
+    args = ["--config", "tiny/full_distributed", "batch_size=2", "epochs=2", "max_steps_per_epoch=5",
+            "save_every_n_steps=3", "keep_last_n_checkpoints=2"]
+    launch = [TUNELIT, "run", "--nproc_per_node", "2", "--master_port", "29519", "full_finetune_distributed"]
+    reference = subprocess.run([*launch, *args, f"output_dir={tmp_path / 'reference'}"], capture_output=True, text=True,
+                               timeout=600)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+
+    killed = tmp_path / "killed"
+    process = subprocess.Popen([*launch, *args, f"output_dir={killed}"], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    log, deadline = killed / "log.jsonl", time.time() + 300
+    while time.time() < deadline and not (log.is_file() and len(log.read_text().splitlines()) >= 7):
+        time.sleep(0.05)
+    for pid in [*descendants(process.pid), process.pid]:     # torchrun's workers run in sessions of their own
+        os.kill(pid, signal.SIGKILL)                         # kill the launcher and both ranks after step 7 (epoch 2)
+    process.wait()
+    time.sleep(1.0)                                          # nothing may still be writing
+    assert len(log.read_text().splitlines()) < 9, "the run went on after the kill or finished before it"
+    assert sorted(p.name for p in killed.glob("step_*")) == ["step_3", "step_6"]
+    assert sorted(p.name for p in (killed / "step_6" / "dcp").iterdir() if p.suffix == ".distcp") == [
+        "__0_0.distcp", "__1_0.distcp"]                        # one shard file per rank
+
+    resumed = subprocess.run([*launch, *args, f"output_dir={killed}", "resume_from_checkpoint=true"],
+                             capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "Resuming from" in resumed.stdout and "step_6" in resumed.stdout
+    expected, got = losses(tmp_path / "reference" / "log.jsonl"), losses(log)
+    assert len(got) == len(expected) == 10
+    assert got == expected                                   # steps 7..10 recomputed bit for bit
+
+
+def test_wrong_checkpoint_is_refused_on_every_rank(tmp_path):
+    result = subprocess.run([TUNELIT, "run", "--nproc_per_node", "2", "--master_port", "29521", "full_finetune_distributed",
+                             "--config", "tiny/full_distributed", "model.vocab_size=1024", f"output_dir={tmp_path}"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert result.stderr.count("CheckpointError: the checkpoint does not fit the model") >= 2, result.stderr[-3000:]
+    assert "tok_embeddings.weight: checkpoint (2048, 256) vs model (1024, 256)" in result.stderr

@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['MODEL_TYPES', 'SUPPORT_FILES', 'CheckpointError', 'FullModelHFCheckpointer', 'write_hf_weights',
-           'load_model_state_dict']
+           'load_model_state_dict', 'check_state_dict']
 
 # %% ../../nbs/50_checkpointing.ipynb #fd9358d8
 import json
@@ -215,7 +215,13 @@ FullModelHFCheckpointer._write_checkpoint_files = _write_checkpoint_files
 def load_model_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor],
                           allowed_missing: Iterable[str] = ()) -> None:
     "Load `state_dict` into `model`; raise CheckpointError naming missing/unexpected keys and shape mismatches."
-    expected = model.state_dict()
+    check_state_dict(model.state_dict(), state_dict, allowed_missing)
+    model.load_state_dict(state_dict, strict=not set(allowed_missing))
+
+
+def check_state_dict(expected: dict[str, torch.Tensor], state_dict: dict[str, torch.Tensor],
+                     allowed_missing: Iterable[str] = ()) -> None:
+    "Raise CheckpointError naming every missing/unexpected key and shape mismatch of `state_dict` against `expected`."
     allowed = set(allowed_missing)
     missing = sorted(k for k in expected.keys() - state_dict.keys() if k not in allowed)
     unexpected = sorted(state_dict.keys() - expected.keys())
@@ -227,4 +233,3 @@ def load_model_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor],
         raise CheckpointError("the checkpoint does not fit the model: " + "; ".join(problems) +
                               ". Check that the model builder matches the checkpoint's config.json "
                               "(build_from_hf_config builds the matching model).")
-    model.load_state_dict(state_dict, strict=not allowed)
