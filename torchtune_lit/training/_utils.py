@@ -33,11 +33,15 @@ def get_device(name: str = "cpu") -> torch.device:
 
 
 def get_dtype(name: str = "fp32", device: Optional[torch.device] = None) -> torch.dtype:
-    "The parameter dtype for 'fp32' or 'bf16'; bf16 on a CUDA device without bf16 support is refused with the fix."
+    """The parameter dtype for 'fp32' or 'bf16'. bf16 on a GPU without bf16 support (before Ampere) falls back to fp32
+    with a message saying so — the run still works, at twice the weight memory."""
     if name not in DTYPES:
         raise ValueError(f"dtype={name!r} is not supported; use one of {sorted(DTYPES)}.")
     if name == "bf16" and device is not None and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise RuntimeError("dtype=bf16 was asked for but this GPU does not support bf16; set dtype=fp32.")
+        import warnings
+        warnings.warn(f"dtype=bf16 was asked for but {torch.cuda.get_device_name(device)} does not support bf16: "
+                      "training in fp32 instead (twice the weight memory); set dtype=fp32 to silence this.", stacklevel=2)
+        return torch.float32
     return DTYPES[name]
 
 
