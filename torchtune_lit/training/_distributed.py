@@ -6,15 +6,17 @@
 __all__ = ['init_distributed', 'shard_model', 'gather_full_state_dict', 'load_from_full_state_dict', 'save_sharded_checkpoint',
            'load_sharded_checkpoint', 'all_reduce_sum']
 
-# %% ../../nbs/53_distributed.ipynb #1571ede5
+# %% ../../nbs/53_distributed.ipynb #bfe573f2
 import os
-from typing import Optional
+import shutil
+from pathlib import Path
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-# %% ../../nbs/53_distributed.ipynb #8f7447b0
+# %% ../../nbs/53_distributed.ipynb #95f5357f
 def init_distributed() -> tuple[int, int, torch.device]:
     "Join the process group torchrun set up (NCCL on GPU, Gloo on CPU); returns (rank, world_size, device)."
     if "RANK" not in os.environ:
@@ -77,11 +79,10 @@ def load_from_full_state_dict(model: nn.Module, full_state_dict: dict[str, torch
                 module.rope_init()
 
 
-def save_sharded_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, folder, recipe_state: dict) -> "Path":
+def save_sharded_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Union[str, Path],
+                            recipe_state: dict) -> Path:
     """Every rank writes its shards of the model and optimizer states with torch.distributed.checkpoint, plus its
     random states; rank 0 adds `recipe_state.pt` and renames the finished temporary folder to `folder`."""
-    import shutil
-    from pathlib import Path
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torchtune_lit.training._utils import capture_rng_state
@@ -108,9 +109,8 @@ def save_sharded_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, 
     return folder
 
 
-def load_sharded_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, folder) -> dict:
+def load_sharded_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Union[str, Path]) -> dict:
     "Read a `save_sharded_checkpoint` folder into the sharded model and optimizer; returns the recipe state with this rank's random states."
-    from pathlib import Path
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     folder = Path(folder)

@@ -7,7 +7,7 @@ __all__ = ['FORMAT_FAMILIES', 'data_findings', 'chat_format_findings', 'tokenize
            'optimisation_findings', 'memory_findings', 'check_first_loss', 'preflight_report', 'format_report',
            'save_report']
 
-# %% ../../nbs/54_preflight.ipynb #d2f9b9e2
+# %% ../../nbs/54_preflight.ipynb #45cec50f
 import json
 import math
 import statistics
@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 import torchtune_lit.config as config
 from ..data._messages import CROSS_ENTROPY_IGNORE_IDX
 
-# %% ../../nbs/54_preflight.ipynb #2a4f50f5
+# %% ../../nbs/54_preflight.ipynb #0af399cb
 def _finding(level: str, message: str, **numbers: Any) -> dict[str, Any]:
     return {"level": level, "message": message, **numbers}
 
@@ -193,7 +193,7 @@ def check_first_loss(loss: float, vocab_size: int, pretrained: bool) -> Optional
                 "output layer: a wrong checkpoint key map, tokenizer or chat format would look like this")
     return None
 
-# %% ../../nbs/54_preflight.ipynb #7d21146a
+# %% ../../nbs/54_preflight.ipynb #26d37ff7
 def preflight_report(cfg: DictConfig, model: Optional[torch.nn.Module] = None, tokenizer: Any = None, dataset: Any = None,
                      state_dict: Optional[dict] = None, max_samples: int = 2000) -> dict[str, list[dict]]:
     "The report for `cfg`; objects a recipe already built can be passed in, the rest are built here."
@@ -210,11 +210,14 @@ def preflight_report(cfg: DictConfig, model: Optional[torch.nn.Module] = None, t
     if state_dict is None:
         state_dict = checkpointer.load_checkpoint()["model"]
     adapters = {n for n, _ in model.named_parameters() if ".lora_" in n or n.endswith(".magnitude")}
+    from_scratch = cfg.checkpointer.get("checkpoint_files", None) is not None and len(cfg.checkpointer.checkpoint_files) == 0
     data = data_findings(dataset, tokenizer, cfg.dataset.get("train_on_input", False), max_samples)
     median_trained = data[0]["median_tokens"] * data[1]["trained_fraction"]
     return {"data": data,
             "tokenizer vs model": tokenizer_findings(tokenizer, model, getattr(checkpointer, "config", None)),
-            "checkpoint": checkpoint_findings(model, state_dict, adapters),
+            "checkpoint": (checkpoint_findings(model, state_dict, adapters) if state_dict or not from_scratch else
+                           [_finding("ok", "checkpoint_files: [] -- training from the model's initialisation, as asked "
+                                           "(no weights are loaded)")]),
             "optimisation": optimisation_findings(cfg, model, median_trained),
             "memory": memory_findings(cfg, model, data[0]["max_tokens"])}
 
