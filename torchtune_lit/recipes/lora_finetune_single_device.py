@@ -72,6 +72,7 @@ def train(cfg: DictConfig) -> list[dict]:
     print(f"Training {trainable:,} adapter parameters of {sum(p.numel() for p in model.parameters()):,}.")
     tokenizer = config.instantiate(cfg.tokenizer)
     loader = full_finetune.build_dataloader(cfg, tokenizer, generator)
+    val_loader = full_finetune.build_validation_loader(cfg, tokenizer)
     optimizer = config.instantiate(cfg.optimizer, [p for p in model.parameters() if p.requires_grad])
     if cfg.get("preflight", True):
         report = training.preflight.preflight_report(cfg, model=model, tokenizer=tokenizer, dataset=loader.dataset)
@@ -113,6 +114,8 @@ def train(cfg: DictConfig) -> list[dict]:
                                                               pretrained=bool(cfg.checkpointer.get("checkpoint_files", True)))
                 if warning:
                     print(f"WARNING: {warning}")
+            if val_loader is not None and step % cfg.get("run_val_every_n_steps", steps_per_epoch) == 0:
+                metrics["val_loss"] = training.validation_loss(model, val_loader, device, cfg.get("max_validation_batches"))
             metrics.update(training.get_memory_stats(device))
             logger.log(epoch=epoch, **metrics)
             if extra_logger is not None:

@@ -6,9 +6,9 @@
 __all__ = ['DTYPES', 'get_device', 'get_dtype', 'set_seed', 'scale_grads', 'check_loss_is_finite', 'setup_run', 'JsonlLogger',
            'read_jsonl', 'capture_rng_state', 'restore_rng_state', 'latest_step_checkpoint', 'load_recipe_state',
            'make_recipe_state', 'restore_training_state', 'prune_step_checkpoints', 'truncate_log', 'shift_labels',
-           'summed_cross_entropy', 'train_step']
+           'summed_cross_entropy', 'train_step', 'validation_loss']
 
-# %% ../../nbs/51_training_utils.ipynb #d16afbf4
+# %% ../../nbs/51_training_utils.ipynb #225eef38
 import json
 import math
 import random
@@ -19,7 +19,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-# %% ../../nbs/51_training_utils.ipynb #43d74358
+# %% ../../nbs/51_training_utils.ipynb #7cae69c3
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -65,7 +65,7 @@ def check_loss_is_finite(loss: float, step: int) -> None:
         raise RuntimeError(f"loss is {loss} at step {step}: training diverged. Lower optimizer.lr, set "
                            "clip_grad_norm, use dtype=fp32, or check the data for empty or corrupt samples.")
 
-# %% ../../nbs/51_training_utils.ipynb #7e20ec87
+# %% ../../nbs/51_training_utils.ipynb #a7868ce9
 def setup_run(cfg: Any) -> tuple[torch.device, torch.dtype, torch.Generator, Path]:
     "(device, dtype, data generator, output_dir) for a recipe config; writes output_dir/config.yaml."
     from omegaconf import OmegaConf
@@ -77,7 +77,7 @@ def setup_run(cfg: Any) -> tuple[torch.device, torch.dtype, torch.Generator, Pat
     OmegaConf.save(cfg, output_dir / "config.yaml")
     return device, dtype, generator, output_dir
 
-# %% ../../nbs/51_training_utils.ipynb #e77ca581
+# %% ../../nbs/51_training_utils.ipynb #224eb080
 class JsonlLogger:
     "Append one JSON object per `log` call to `log_dir/filename`, flushed immediately."
 
@@ -98,7 +98,7 @@ def read_jsonl(path: Union[str, Path]) -> list[dict]:
     "The objects of a JSON-lines log."
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
-# %% ../../nbs/51_training_utils.ipynb #b5376656
+# %% ../../nbs/51_training_utils.ipynb #64c40ae5
 def capture_rng_state(epoch_generator_state: torch.Tensor) -> dict[str, Any]:
     "Python's and torch's random states now, and the data generator's state at the start of the current epoch."
     state = {"python": random.getstate(), "torch": torch.get_rng_state(), "generator": epoch_generator_state}
@@ -157,7 +157,7 @@ def truncate_log(path: Union[str, Path], last_step: int) -> None:
         kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= last_step]
         path.write_text("".join(line + "\n" for line in kept))
 
-# %% ../../nbs/51_training_utils.ipynb #31a203d8
+# %% ../../nbs/51_training_utils.ipynb #891f284b
 def shift_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
     "Labels for next-token prediction: labels[:, 1:] followed by one ignored position."
     return torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], ignore_index)], dim=1)
@@ -203,3 +203,22 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches
     if grad_norm is not None:
         metrics["grad_norm"] = grad_norm
     return metrics
+
+# %% ../../nbs/51_training_utils.ipynb #1636e431
+@torch.no_grad()
+def validation_loss(model: nn.Module, loader: Any, device: torch.device, max_batches: Optional[int] = None) -> float:
+    "Mean cross-entropy per trained token over (up to `max_batches` of) `loader`, in eval mode."
+    was_training = model.training
+    model.eval()
+    loss_sum, tokens = 0.0, 0
+    for i, batch in enumerate(loader):
+        if max_batches is not None and i >= max_batches:
+            break
+        labels = shift_labels(batch["labels"].to(device))
+        kwargs = {k: batch[k].to(device) for k in ("mask", "input_pos") if k in batch}
+        loss_sum += summed_cross_entropy(model(batch["tokens"].to(device), **kwargs), labels).item()
+        tokens += int((labels != -100).sum())
+    model.train(was_training)
+    if tokens == 0:
+        raise RuntimeError("the validation data has no trained token: check validation_dataset's masking and columns.")
+    return loss_sum / tokens
