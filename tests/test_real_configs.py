@@ -1,0 +1,49 @@
+"""The real-model configs: each names the folder its `tunelit download` comment writes, builds its model on the meta
+device (no weights, no memory) with the parameter count of the published checkpoint, and fits the planner's budget."""
+import re
+
+import pytest
+import torch
+
+import torchtune_lit.config as config
+from torchtune_lit._recipe_registry import get_all_recipes
+from torchtune_lit.training.memory import estimate_training_memory
+
+REAL = [c for r in get_all_recipes() for c in r.configs if not c.name.startswith("tiny/")]
+# parameter counts of the published checkpoints (safetensors metadata on the Hub model pages)
+PARAMS = {"llama3_2/1B": 1_235_814_400, "llama3_2/3B": 3_212_749_824, "llama3_1/8B": 8_030_261_248,
+          "qwen2_5/0.5B": 494_032_768, "qwen2_5/1.5B": 1_543_714_304, "qwen2_5/7B": 7_615_616_512,
+          "gemma2/2B": 2_614_341_888, "mistral/7B": 7_248_023_552}
+
+
+def test_every_family_has_its_configs():
+    names = {c.name for c in REAL}
+    assert {"llama3_2/1B_full", "llama3_2/1B_lora", "llama3_2/1B_qlora", "llama3_2/3B_lora", "llama3_1/8B_lora",
+            "llama3_1/8B_qlora", "llama3_1/8B_full", "qwen2_5/0.5B_lora", "qwen2_5/1.5B_lora", "qwen2_5/7B_lora",
+            "gemma2/2B_lora", "mistral/7B_lora"} <= names
+
+
+@pytest.mark.parametrize("entry", REAL, ids=lambda c: c.name)
+def test_real_config(entry):
+    text = entry.path.read_text()
+    download = re.search(r"#\s+tunelit download (\S+) --output-dir (\S+)", text)
+    assert download, f"{entry.name} has no 'tunelit download' comment"
+    cfg = config.load_config(entry.name)
+    config.validate(cfg)
+    assert cfg.checkpointer.checkpoint_dir == download.group(2)
+    assert cfg.tokenizer.path.startswith(download.group(2) + "/")
+    with torch.device("meta"):
+        model = config.instantiate(cfg.model)
+    frozen_or_full = {n: p.numel() for n, p in model.named_parameters() if ".lora_" not in n}
+    size = entry.name.split("_")[0] if entry.name.count("_") == 1 else entry.name.rsplit("_", 1)[0]
+    assert sum(frozen_or_full.values()) == PARAMS[size], entry.name
+    if ".lora_" in "".join(n for n, _ in model.named_parameters()):
+        for name, param in model.named_parameters():
+            param.requires_grad_(".lora_" in name)
+    estimate = estimate_training_memory(model, cfg.batch_size, cfg.tokenizer.max_seq_len, torch.bfloat16,
+                                        activation_checkpointing=cfg.enable_activation_checkpointing)
+    budget_gib = 80 if "full" in entry.name else 40        # one 80 GB GPU (per rank for FSDP: / 8) or a 40 GB card
+    if entry.name == "llama3_1/8B_full":
+        estimate.weights, estimate.gradients, estimate.optimizer_states = (
+            estimate.weights / 8, estimate.gradients / 8, estimate.optimizer_states / 8)
+    assert estimate.total / 2**30 < budget_gib, (entry.name, estimate.summary())
