@@ -95,3 +95,26 @@ def test_wrong_checkpoint_is_refused_on_every_rank(tmp_path):
     assert result.returncode != 0
     assert result.stderr.count("CheckpointError: the checkpoint does not fit the model") >= 2, result.stderr[-3000:]
     assert "tok_embeddings.weight: checkpoint (2048, 256) vs model (1024, 256)" in result.stderr
+
+
+def test_lora_two_processes_match_one(tmp_path):
+    common = ["epochs=1", "max_steps_per_epoch=5", "shuffle=false", "~lr_scheduler"]
+    single = subprocess.run([TUNELIT, "run", "lora_finetune_single_device", "--config", "tiny/lora", "batch_size=4",
+                             f"output_dir={tmp_path / 'single'}", "progress_bar=false", "preflight=false",
+                             "~validation_dataset", *common], capture_output=True, text=True, timeout=600)
+    assert single.returncode == 0, single.stderr[-3000:]
+    multi = subprocess.run([TUNELIT, "run", "--nproc_per_node", "2", "--master_port", "29523", "lora_finetune_distributed",
+                            "--config", "tiny/lora_distributed", "batch_size=2", f"output_dir={tmp_path / 'multi'}", *common],
+                           capture_output=True, text=True, timeout=600)
+    assert multi.returncode == 0, multi.stderr[-3000:]
+    a, b = losses(tmp_path / "single" / "log.jsonl"), losses(tmp_path / "multi" / "log.jsonl")
+    print("single:", [f"{x:.5f}" for x in a]); print("FSDP2 x2:", [f"{x:.5f}" for x in b])
+    assert len(a) == len(b) == 5 and a[-1] < a[0]
+    for x, y in zip(a, b):
+        assert abs(x - y) <= 1e-3 * abs(x), (a, b)
+    from safetensors.torch import load_file
+    for name in ("model.safetensors", "adapter/adapter_model.safetensors"):
+        ours, theirs = load_file(tmp_path / "multi" / "epoch_0" / name), load_file(tmp_path / "single" / "epoch_0" / name)
+        assert ours.keys() == theirs.keys()
+        for key in ours:
+            torch.testing.assert_close(ours[key], theirs[key], atol=2e-4, rtol=1e-3, msg=key)
