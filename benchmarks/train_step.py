@@ -1,4 +1,4 @@
-"""Tokens/s and peak memory of one training configuration: ours or transformers (+ peft), full / LoRA / QLoRA.
+"""Tokens/s and peak memory of one training configuration: ours, transformers (+ peft) or torchtune 0.6.1; full / LoRA / QLoRA.
 
     python benchmarks/train_step.py --impl ours --mode lora --dtype bf16          # prints one JSON line
 
@@ -28,8 +28,27 @@ def hf_model(args):
     return transformers.LlamaForCausalLM(config)
 
 
+def torchtune_model(args):
+    "torchtune 0.6.1's Llama 3 builders at the same shape (run from benchmarks/.venv-torchtune; seeded, own init)."
+    from torchtune.models.llama3 import llama3, lora_llama3
+    from torchtune.modules.peft import get_adapter_params, set_trainable_params
+    shape = dict(vocab_size=args.vocab, num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads,
+                 embed_dim=args.dim, max_seq_len=args.seq, intermediate_dim=args.ffn, rope_base=10_000)
+    torch.manual_seed(0)
+    if args.mode == "full":
+        return llama3(**shape)
+    model = lora_llama3(["q_proj", "k_proj", "v_proj", "output_proj"], apply_lora_to_mlp=True, lora_rank=args.rank,
+                        lora_alpha=2 * args.rank, quantize_base=args.mode == "qlora", **shape)
+    set_trainable_params(model, get_adapter_params(model))
+    return model
+
+
 def build(args):
     "(model, trainable parameters, forward returning logits) for the chosen implementation and mode."
+    if args.impl == "torchtune":
+        model = torchtune_model(args).to(torch.bfloat16 if args.dtype == "bf16" else torch.float32)
+        forward = torch.compile(model) if args.compile else model
+        return model, [p for p in model.parameters() if p.requires_grad], forward
     reference = hf_model(args)
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     if args.impl == "hf":
@@ -60,7 +79,7 @@ def build(args):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--impl", choices=["ours", "hf"], default="ours")
+    parser.add_argument("--impl", choices=["ours", "hf", "torchtune"], default="ours")
     parser.add_argument("--mode", choices=["full", "lora", "qlora"], default="full")
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     parser.add_argument("--compile", action="store_true")

@@ -74,15 +74,15 @@ class MultiHeadAttention(nn.Module):
             k, v = self.kv_cache.update(k, v)
         mask = self._attention_mask(mask, positions, s, k.shape[2], x.device)
         group = self.num_heads // self.num_kv_heads
-        if group > 1:                                               # GQA: each kv head serves `group` query heads
-            k = k.repeat_interleave(group, dim=1)
-            v = v.repeat_interleave(group, dim=1)
         dropout = self.attn_dropout if self.training else 0.0
-        if self.softcapping is None:
+        if self.softcapping is None:                                # GQA inside SDPA: no repeated k/v in memory
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=None if mask is None else mask[:, None], dropout_p=dropout,
-                is_causal=self.is_causal and mask is None, scale=self.scale)
+                is_causal=self.is_causal and mask is None, scale=self.scale, enable_gqa=group > 1)
         else:
+            if group > 1:                                           # GQA: each kv head serves `group` query heads
+                k = k.repeat_interleave(group, dim=1)
+                v = v.repeat_interleave(group, dim=1)
             out = self._explicit_attention(q, k, v, mask, dropout)
         return self.output_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
 

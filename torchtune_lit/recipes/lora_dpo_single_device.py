@@ -60,6 +60,11 @@ def train(cfg: DictConfig) -> list[dict]:
                         collate_fn=data.padded_collate_dpo)
     optimizer = config.instantiate(cfg.optimizer, [p for p in model.parameters() if p.requires_grad])
     loss_fn = config.instantiate(cfg.loss)
+    if cfg.get("preflight", True):              # the checks see each pair's chosen conversation
+        report = training.preflight.preflight_report(cfg, model=model, tokenizer=tokenizer,
+                                                     dataset=training.preflight.ChosenView(dataset))
+        training.preflight.save_report(report, output_dir)
+        print(training.preflight.format_report(report))
     steps_per_epoch = min(len(loader), cfg.get("max_steps_per_epoch") or len(loader))
     logger, history, step = training.JsonlLogger(output_dir), [], 0
     progress = tqdm(total=cfg.epochs * steps_per_epoch, desc="dpo", disable=not cfg.get("progress_bar", True))

@@ -7,7 +7,7 @@ __all__ = ['NF4_BITS_PER_PARAM', 'layer_activation_bytes_per_token', 'MemoryEsti
            'set_activation_checkpointing', 'OffloadActivations', 'compile_model', 'compile_loss', 'PeakMemory',
            'measure_step_peak']
 
-# %% ../../nbs/56_memory.ipynb #8788625b
+# %% ../../nbs/56_memory.ipynb #d8df195c
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional
@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-# %% ../../nbs/56_memory.ipynb #cf6c5046
+# %% ../../nbs/56_memory.ipynb #7d9c6e94
 NF4_BITS_PER_PARAM = 4 + 8 / 64 + 32 / (64 * 256)   # 4-bit codes, an int8 scale per 64, an fp32 factor per 256 scales
 
 
@@ -35,6 +35,7 @@ def layer_activation_bytes_per_token(layer: nn.Module, bytes_per_element: int) -
     attn, mlp, b = layer.attn, layer.mlp, bytes_per_element
     d = layer.mlp_norm.scale.numel()
     h = attn.num_heads * attn.head_dim
+    g = attn.num_kv_heads * attn.head_dim
     f = mlp.w1.weight.shape[0]
 
     def norm(module: nn.Module, output_kept: bool) -> int:
@@ -42,13 +43,13 @@ def layer_activation_bytes_per_token(layer: nn.Module, bytes_per_element: int) -
 
     qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
     total = norm(layer.sa_norm, any(_trains(m) for m in qkv))
-    total += 4 * b * h + 4 * attn.num_heads                       # SDPA: q, k, v, output, log-sum-exp
+    total += b * (2 * h + 2 * g) + 4 * attn.num_heads           # SDPA: q, output, k, v (kv width), log-sum-exp
     total += norm(layer.mlp_norm, _trains(mlp.w1) or _trains(mlp.w3))
     total += 3 * b * f + (b * f if _trains(mlp.w2) else 0)         # SwiGLU
     adapted = (*qkv, attn.output_proj, mlp.w1, mlp.w2, mlp.w3)
     return total + sum(b * _lora_rank(m) for m in adapted)
 
-# %% ../../nbs/56_memory.ipynb #5279f4b8
+# %% ../../nbs/56_memory.ipynb #d1e10ea4
 def _parameter_bytes(model: nn.Module, bytes_per_element: int) -> tuple[float, int]:
     "(bytes of all weights, number of trainable parameters), NF4 bases at 4.127 bits."
     from torchtune_lit.modules.low_precision.nf4 import FrozenNF4Linear, NF4Tensor
@@ -119,7 +120,7 @@ def estimate_training_memory(model: nn.Module, batch_size: int, seq_len: int, dt
     return MemoryEstimate(weights=weights, gradients=trainable * b, optimizer_states=optimizer_states_per_param * trainable * b,
                           activations=activations, loss=loss, tokens=tokens, notes=notes, recomputed=recomputed)
 
-# %% ../../nbs/56_memory.ipynb #1af3ef28
+# %% ../../nbs/56_memory.ipynb #cf33b4bd
 def _checkpointed_forward(forward: Callable, *args: Any, **kwargs: Any) -> Any:
     return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
@@ -150,7 +151,7 @@ def _partial_forward(forward: Callable) -> Callable:
         return _checkpointed_forward(forward, *args, **kwargs)
     return checkpointed
 
-# %% ../../nbs/56_memory.ipynb #88719e38
+# %% ../../nbs/56_memory.ipynb #1cff45a8
 class OffloadActivations:
     """Context manager: keep the tensors saved for backward in pinned CPU memory while the forward pass runs on a GPU
     (`torch.autograd.graph.save_on_cpu`). On a CPU device it does nothing and says why."""
@@ -175,7 +176,7 @@ class OffloadActivations:
         if self._context is not None:
             self._context.__exit__(*exc)
 
-# %% ../../nbs/56_memory.ipynb #4196d1f1
+# %% ../../nbs/56_memory.ipynb #038896b2
 def _check_compiler(backend: str) -> None:
     import shutil, os
     if backend == "inductor" and not torch.cuda.is_available() and shutil.which(os.environ.get("CXX", "g++")) is None:
@@ -199,7 +200,7 @@ def compile_loss(loss_fn: Callable, backend: str = "inductor") -> Callable:
     _check_compiler(backend)
     return torch.compile(loss_fn, backend=backend)
 
-# %% ../../nbs/56_memory.ipynb #d544f386
+# %% ../../nbs/56_memory.ipynb #36933101
 class PeakMemory(TorchDispatchMode):
     "Track the bytes of tensor storages created inside the context; `peak` is the most alive at once."
 

@@ -4,10 +4,10 @@
 
 # %% auto #0
 __all__ = ['FORMAT_FAMILIES', 'data_findings', 'chat_format_findings', 'tokenizer_findings', 'checkpoint_findings',
-           'optimisation_findings', 'memory_findings', 'check_first_loss', 'preflight_report', 'format_report',
-           'save_report']
+           'optimisation_findings', 'memory_findings', 'check_first_loss', 'ChosenView', 'preflight_report',
+           'format_report', 'save_report']
 
-# %% ../../nbs/54_preflight.ipynb #45cec50f
+# %% ../../nbs/54_preflight.ipynb #20f77df9
 import json
 import math
 import statistics
@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 import torchtune_lit.config as config
 from ..data._messages import CROSS_ENTROPY_IGNORE_IDX
 
-# %% ../../nbs/54_preflight.ipynb #0af399cb
+# %% ../../nbs/54_preflight.ipynb #ddf9c840
 def _finding(level: str, message: str, **numbers: Any) -> dict[str, Any]:
     return {"level": level, "message": message, **numbers}
 
@@ -193,7 +193,25 @@ def check_first_loss(loss: float, vocab_size: int, pretrained: bool) -> Optional
                 "output layer: a wrong checkpoint key map, tokenizer or chat format would look like this")
     return None
 
-# %% ../../nbs/54_preflight.ipynb #26d37ff7
+# %% ../../nbs/54_preflight.ipynb #aa859572
+class ChosenView:
+    """A preference dataset seen through its chosen answers — `{"tokens", "labels"}` samples and a message transform
+    returning the chosen conversation — so the data checks (lengths, trained fraction, prompt leaks) apply to DPO."""
+
+    def __init__(self, dataset: Any) -> None:
+        self._dataset = dataset
+        self._rows = getattr(dataset, "_rows", None)
+        transform = getattr(dataset, "_message_transform", None)
+        self._message_transform = (lambda row: {"messages": transform(row)["chosen"]}) if transform else None
+
+    def __len__(self) -> int:
+        return len(self._dataset)
+
+    def __getitem__(self, index: int) -> dict:
+        sample = self._dataset[index]
+        return {"tokens": sample["chosen_input_ids"], "labels": sample["chosen_labels"]}
+
+
 def preflight_report(cfg: DictConfig, model: Optional[torch.nn.Module] = None, tokenizer: Any = None, dataset: Any = None,
                      state_dict: Optional[dict] = None, max_samples: int = 2000) -> dict[str, list[dict]]:
     "The report for `cfg`; objects a recipe already built can be passed in, the rest are built here."
