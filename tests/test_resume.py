@@ -27,6 +27,8 @@ def losses(log: Path) -> dict[int, float]:
 @pytest.mark.parametrize("recipe,config,extra", [
     ("lora_finetune_single_device", "tiny/lora", ["model.lora_dropout=0.1"]),   # dropout: the RNG state matters
     ("full_finetune_single_device", "tiny/full", []),
+    ("lora_dpo_single_device", "tiny/dpo", []),
+    ("knowledge_distillation_single_device", "tiny/kd", []),
 ])
 def test_killed_run_resumes_exactly(tmp_path, recipe, config, extra):
     reference, killed = tmp_path / "reference", tmp_path / "killed"

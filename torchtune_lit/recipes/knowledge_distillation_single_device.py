@@ -5,7 +5,8 @@
 # %% auto #0
 __all__ = ['load_teacher', 'kd_step', 'held_out_batches', 'kl_to_teacher', 'train', 'recipe_main']
 
-# %% ../../nbs/67_knowledge_distillation_single_device.ipynb #4429b91d
+# %% ../../nbs/67_knowledge_distillation_single_device.ipynb #170499d8
+import json
 import sys
 import time
 from pathlib import Path
@@ -19,7 +20,7 @@ import torchtune_lit.modules.loss as losses
 import torchtune_lit.recipes.full_finetune_single_device as full_finetune
 import torchtune_lit.training as training
 
-# %% ../../nbs/67_knowledge_distillation_single_device.ipynb #0481863d
+# %% ../../nbs/67_knowledge_distillation_single_device.ipynb #854e5af0
 def load_teacher(cfg: DictConfig, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     "The frozen teacher: built from `teacher_model`, loaded strictly from `teacher_checkpointer`, in eval mode."
     teacher = config.instantiate(cfg.teacher_model)
@@ -83,7 +84,7 @@ def kl_to_teacher(student, teacher, batches: list[dict]) -> float:
     student.train(was_training)
     return total / max(tokens, 1)
 
-# %% ../../nbs/67_knowledge_distillation_single_device.ipynb #91432953
+# %% ../../nbs/67_knowledge_distillation_single_device.ipynb #9c31e738
 def train(cfg: DictConfig) -> dict:
     "Run the recipe; returns the step metrics and the held-out KL to the teacher before and after."
     device, dtype, generator, output_dir = training.setup_run(cfg)
@@ -97,6 +98,7 @@ def train(cfg: DictConfig) -> dict:
     tokenizer = config.instantiate(cfg.tokenizer)
     loader = full_finetune.build_dataloader(cfg, tokenizer, generator)
     held_out = held_out_batches(cfg, tokenizer, device)
+    val_loader = full_finetune.build_validation_loader(cfg, tokenizer)     # optional: the student's held-out CE
     optimizer = config.instantiate(cfg.optimizer, [p for p in student.parameters() if p.requires_grad])
     accumulation = cfg.get("gradient_accumulation_steps", 1)
     steps_per_epoch = len(loader) // accumulation
@@ -110,29 +112,49 @@ def train(cfg: DictConfig) -> dict:
         report = training.preflight.preflight_report(cfg, model=student, tokenizer=tokenizer, dataset=loader.dataset)
         training.preflight.save_report(report, output_dir)
         print(training.preflight.format_report(report))
-    kl_before = kl_to_teacher(student, teacher, held_out)
-    logger, history, step = training.JsonlLogger(output_dir), [], 0
-    progress = tqdm(total=total_steps, desc="distil", disable=not cfg.get("progress_bar", True))
-    for epoch in range(cfg.epochs):
+    resumed = full_finetune.resume_state(cfg, student)          # the student's weights + recipe state
+    start_epoch, skip, step = (resumed["epoch"], resumed["steps_into_epoch"], resumed["step"]) if resumed else (0, 0, 0)
+    if resumed:
+        training.restore_training_state(resumed, optimizer, lr_scheduler)
+        training.truncate_log(output_dir / "log.jsonl", step)
+        generator.set_state(resumed["rng"]["generator"])
+    pending_rng = resumed["rng"] if resumed else None
+    kl_before = resumed["kl_before"] if resumed else kl_to_teacher(student, teacher, held_out)
+    logger, history = training.JsonlLogger(output_dir), []
+    progress = tqdm(total=total_steps, initial=step, desc="distil", disable=not cfg.get("progress_bar", True))
+    for epoch in range(start_epoch, cfg.epochs):
+        epoch_generator_state = generator.get_state()
         batches = iter(loader)
-        for _ in range(steps_per_epoch):
+        for i in range(steps_per_epoch):
             micro = [{k: v.to(device) for k, v in next(batches).items()} for _ in range(accumulation)]
+            if epoch == start_epoch and i < skip:
+                continue                                  # already trained before the resume
+            if pending_rng is not None:
+                training.restore_rng_state(pending_rng)
+                pending_rng = None
             step += 1
             metrics = kd_step(student, teacher, optimizer, micro, step, cfg.kd_ratio, kd_loss_fn,
                               cfg.get("clip_grad_norm"), lr_scheduler)
+            if val_loader is not None and step % cfg.get("run_val_every_n_steps", steps_per_epoch) == 0:
+                metrics["val_loss"] = training.validation_loss(student, val_loader, device, cfg.get("max_validation_batches"))
             logger.log(epoch=epoch, **metrics)
             history.append(metrics)
             progress.update(1)
             progress.set_postfix(loss=f"{metrics['loss']:.3f}", kd=f"{metrics['kd_loss']:.3f}")
+            if cfg.get("save_every_n_steps") and step % cfg.save_every_n_steps == 0 and step < total_steps:
+                state = training.make_recipe_state(optimizer, lr_scheduler, epoch, i + 1, step, epoch_generator_state)
+                checkpointer.save_checkpoint({"model": student.state_dict(), "kl_before": kl_before, **state},
+                                             epoch=epoch, intermediate_checkpoint=True, step=step)
+                training.prune_step_checkpoints(output_dir, cfg.get("keep_last_n_checkpoints", 2))
     progress.close()
     kl_after = kl_to_teacher(student, teacher, held_out)
-    logger.log(step=step, kl_to_teacher_before=kl_before, kl_to_teacher_after=kl_after)
     logger.close()
+    (output_dir / "kl_to_teacher.json").write_text(json.dumps({"before": kl_before, "after": kl_after}))
     folder = checkpointer.save_checkpoint({"model": student.state_dict()}, epoch=cfg.epochs - 1)
     print(f"Saved the student in Hugging Face format to {folder}")
     return {"history": history, "kl_before": kl_before, "kl_after": kl_after, "folder": folder}
 
-# %% ../../nbs/67_knowledge_distillation_single_device.ipynb #26bdd176
+# %% ../../nbs/67_knowledge_distillation_single_device.ipynb #a32c7854
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
     "Entry point: `tunelit run knowledge_distillation_single_device --config tiny/kd`."
@@ -141,7 +163,7 @@ def recipe_main(cfg: DictConfig) -> None:
     print(f"Trained {len(history)} steps: loss {history[0]['loss']:.3f} -> {history[-1]['loss']:.3f}; "
           f"KL(teacher || student) per token on held-out batches {result['kl_before']:.3f} -> {result['kl_after']:.3f}.")
 
-# %% ../../nbs/67_knowledge_distillation_single_device.ipynb #83c0e7f6
+# %% ../../nbs/67_knowledge_distillation_single_device.ipynb #f1ffebd3
 #| eval: false
 if __name__ == "__main__":
     sys.exit(recipe_main())

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['dpo_step', 'train', 'recipe_main']
 
-# %% ../../nbs/66_lora_dpo_single_device.ipynb #03dcaaa9
+# %% ../../nbs/66_lora_dpo_single_device.ipynb #8e52ff25
 import sys
 from pathlib import Path
 
@@ -22,7 +22,7 @@ import torchtune_lit.rlhf as rlhf
 import torchtune_lit.rlhf.loss as preference_losses
 import torchtune_lit.training as training
 
-# %% ../../nbs/66_lora_dpo_single_device.ipynb #32b0b367
+# %% ../../nbs/66_lora_dpo_single_device.ipynb #6ba18847
 def dpo_step(model, loss_fn, batch, optimizer, step: int, clip_grad_norm=None) -> dict:
     "One DPO step on a (input_ids, labels) preference batch, chosen rows first; returns the logged metrics."
     reference_free = isinstance(loss_fn, preference_losses.SimPOLoss)
@@ -66,28 +66,48 @@ def train(cfg: DictConfig) -> list[dict]:
         training.preflight.save_report(report, output_dir)
         print(training.preflight.format_report(report))
     steps_per_epoch = min(len(loader), cfg.get("max_steps_per_epoch") or len(loader))
-    logger, history, step = training.JsonlLogger(output_dir), [], 0
-    progress = tqdm(total=cfg.epochs * steps_per_epoch, desc="dpo", disable=not cfg.get("progress_bar", True))
-    for epoch in range(cfg.epochs):
+    total_steps, lora = cfg.epochs * steps_per_epoch, lora_recipe.adapter_config(cfg)
+    resumed = lora_recipe.resume_state(cfg, model)               # the LoRA recipe's: adapters + recipe state
+    start_epoch, skip, step = (resumed["epoch"], resumed["steps_into_epoch"], resumed["step"]) if resumed else (0, 0, 0)
+    if resumed:
+        training.restore_training_state(resumed, optimizer, None)
+        training.truncate_log(output_dir / "log.jsonl", step)
+        generator.set_state(resumed["rng"]["generator"])
+    pending_rng = resumed["rng"] if resumed else None
+    logger, history = training.JsonlLogger(output_dir), []
+    progress = tqdm(total=total_steps, initial=step, desc="dpo", disable=not cfg.get("progress_bar", True))
+    for epoch in range(start_epoch, cfg.epochs):
+        epoch_generator_state = generator.get_state()
         batches = iter(loader)
-        for _ in range(steps_per_epoch):
+        for i in range(steps_per_epoch):
             batch = tuple(t.to(device) for t in next(batches))
+            if epoch == start_epoch and i < skip:
+                continue                                  # already trained before the resume
+            if pending_rng is not None:
+                training.restore_rng_state(pending_rng)
+                pending_rng = None
             step += 1
             metrics = dpo_step(model, loss_fn, batch, optimizer, step, cfg.get("clip_grad_norm"))
             logger.log(epoch=epoch, **metrics)
             history.append(metrics)
             progress.update(1)
             progress.set_postfix(loss=f"{metrics['loss']:.4f}", margin=f"{metrics['rewards/margin']:.3f}")
+            if cfg.get("save_every_n_steps") and step % cfg.save_every_n_steps == 0 and step < total_steps:
+                adapter = peft.get_adapter_state_dict(model.state_dict())
+                state = training.make_recipe_state(optimizer, None, epoch, i + 1, step, epoch_generator_state)
+                checkpointer.save_checkpoint({"adapter": adapter, "adapter_config": lora, "adapter_weights": adapter, **state},
+                                             epoch=epoch, intermediate_checkpoint=True, adapter_only=True, step=step)
+                training.prune_step_checkpoints(output_dir, cfg.get("keep_last_n_checkpoints", 2))
     progress.close()
     logger.close()
-    state, lora = model.state_dict(), lora_recipe.adapter_config(cfg)
+    state = model.state_dict()
     folder = checkpointer.save_checkpoint({
         "model": peft.get_merged_lora_ckpt(state, rank=lora["r"], alpha=lora["lora_alpha"]),
         "adapter": peft.get_adapter_state_dict(state), "adapter_config": lora}, epoch=cfg.epochs - 1)
     print(f"Saved the merged model to {folder} and the adapter (PEFT format) to {folder / 'adapter'}")
     return history
 
-# %% ../../nbs/66_lora_dpo_single_device.ipynb #443b6d83
+# %% ../../nbs/66_lora_dpo_single_device.ipynb #47f63189
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
     "Entry point: `tunelit run lora_dpo_single_device --config tiny/dpo [key=value ...]`."
@@ -96,7 +116,7 @@ def recipe_main(cfg: DictConfig) -> None:
     print(f"DPO: loss {first['loss']:.4f} -> {last['loss']:.4f}, reward margin {first['rewards/margin']:.3f} -> "
           f"{last['rewards/margin']:.3f}, reward accuracy {last['rewards/accuracy']:.2f}")
 
-# %% ../../nbs/66_lora_dpo_single_device.ipynb #85be9651
+# %% ../../nbs/66_lora_dpo_single_device.ipynb #8ddc8b4d
 #| eval: false
 if __name__ == "__main__":
     sys.exit(recipe_main())

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['load_sharded_lora_model', 'train', 'recipe_main']
 
-# %% ../../nbs/68_lora_finetune_distributed.ipynb #a1a5b042
+# %% ../../nbs/68_lora_finetune_distributed.ipynb #110d755e
 import sys
 from pathlib import Path
 
@@ -22,7 +22,7 @@ import torchtune_lit.recipes.lora_finetune_single_device as lora_single
 import torchtune_lit.training as training
 import torchtune_lit.training._distributed as distributed
 
-# %% ../../nbs/68_lora_finetune_distributed.ipynb #c25f3af4
+# %% ../../nbs/68_lora_finetune_distributed.ipynb #57327824
 def load_sharded_lora_model(cfg: DictConfig, checkpointer, rank: int, device: torch.device,
                             dtype: torch.dtype) -> torch.nn.Module:
     "The LoRA model, sharded; rank 0 alone builds it in full (seeded adapters + the base checkpoint) and broadcasts."
@@ -70,15 +70,34 @@ def train(cfg: DictConfig) -> list[dict]:
     steps_per_epoch = len(loader) // accumulation
     if cfg.get("max_steps_per_epoch"):
         steps_per_epoch = min(steps_per_epoch, cfg.max_steps_per_epoch)
-    lr_scheduler = (config.instantiate(cfg.lr_scheduler, optimizer, num_training_steps=cfg.epochs * steps_per_epoch)
+    total_steps = cfg.epochs * steps_per_epoch
+    lr_scheduler = (config.instantiate(cfg.lr_scheduler, optimizer, num_training_steps=total_steps)
                     if cfg.get("lr_scheduler") else None)
+    start_epoch, skip, step, pending_rng = 0, 0, 0, None
+    if cfg.get("resume_from_checkpoint", False):             # sharded, as in full_finetune_distributed
+        folder = training.latest_step_checkpoint(output_dir)
+        if folder is None:
+            raise FileNotFoundError(f"resume_from_checkpoint=true but {output_dir} has no step_N checkpoint; run with "
+                                    "save_every_n_steps first, or drop resume_from_checkpoint.")
+        resumed = distributed.load_sharded_checkpoint(model, optimizer, folder)
+        if lr_scheduler is not None and resumed.get("lr_scheduler") is not None:
+            lr_scheduler.load_state_dict(resumed["lr_scheduler"])
+        start_epoch, skip, step, pending_rng = resumed["epoch"], resumed["steps_into_epoch"], resumed["step"], resumed["rng"]
+        if rank == 0:
+            training.truncate_log(output_dir / "log.jsonl", step)
+            print(f"Resuming from {folder} (sharded checkpoint)", flush=True)
     logger = training.JsonlLogger(output_dir) if rank == 0 else None
-    history, step = [], 0
-    for epoch in range(cfg.epochs):
+    history = []
+    for epoch in range(start_epoch, cfg.epochs):
         sampler.set_epoch(epoch)
         batches = iter(loader)
-        for _ in range(steps_per_epoch):
+        for i in range(steps_per_epoch):
             micro = [{k: v.to(device) for k, v in next(batches).items()} for _ in range(accumulation)]
+            if epoch == start_epoch and i < skip:
+                continue
+            if pending_rng is not None:
+                training.restore_rng_state(pending_rng)
+                pending_rng = None
             step += 1
             metrics = full_distributed.distributed_step(model, optimizer, micro, step, device, world_size,
                                                         cfg.get("clip_grad_norm"), lr_scheduler)
@@ -86,6 +105,12 @@ def train(cfg: DictConfig) -> list[dict]:
                 logger.log(epoch=epoch, **metrics)
                 history.append(metrics)
                 print(f"step {step}: loss {metrics['loss']:.4f}", flush=True)
+            if cfg.get("save_every_n_steps") and step % cfg.save_every_n_steps == 0 and step < total_steps:
+                state = {"lr_scheduler": lr_scheduler.state_dict() if lr_scheduler else None, "epoch": epoch,
+                         "steps_into_epoch": i + 1, "step": step, "rng_generator": generator.get_state()}
+                distributed.save_sharded_checkpoint(model, optimizer, output_dir / f"step_{step}", state)
+                if rank == 0:
+                    training.prune_step_checkpoints(output_dir, cfg.get("keep_last_n_checkpoints", 2))
     state = distributed.gather_full_state_dict(model)
     if rank == 0:
         logger.close()
@@ -99,13 +124,13 @@ def train(cfg: DictConfig) -> list[dict]:
     dist.destroy_process_group()
     return history
 
-# %% ../../nbs/68_lora_finetune_distributed.ipynb #48b2c780
+# %% ../../nbs/68_lora_finetune_distributed.ipynb #2a393439
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
     "Entry point: `tunelit run --nproc_per_node N lora_finetune_distributed --config tiny/lora_distributed`."
     train(cfg)
 
-# %% ../../nbs/68_lora_finetune_distributed.ipynb #5317134e
+# %% ../../nbs/68_lora_finetune_distributed.ipynb #b6f40a7d
 #| eval: false
 if __name__ == "__main__":
     sys.exit(recipe_main())
