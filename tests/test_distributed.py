@@ -8,7 +8,8 @@ import torch
 import transformers
 
 TUNELIT = str(Path(sys.executable).parent / "tunelit")
-COMMON = ["epochs=1", "max_steps_per_epoch=6", "shuffle=false", "progress_bar=false", "~lr_scheduler"]
+COMMON = ["epochs=1", "max_steps_per_epoch=6", "shuffle=false", "progress_bar=false", "~lr_scheduler",
+          "run_val_every_n_steps=3", "max_validation_batches=null"]
 
 
 def losses(log: Path) -> list[float]:
@@ -26,6 +27,9 @@ def test_two_processes_match_one(tmp_path):
     a, b = losses(tmp_path / "single" / "log.jsonl"), losses(tmp_path / "multi" / "log.jsonl")
     print("single:", [f"{x:.5f}" for x in a]); print("FSDP2 x2:", [f"{x:.5f}" for x in b])
     assert len(a) == len(b) == 6
+    val = [[r["val_loss"] for r in map(json.loads, (tmp_path / side / "log.jsonl").read_text().splitlines()) if "val_loss" in r]
+           for side in ("single", "multi")]
+    assert len(val[0]) == len(val[1]) == 2 and all(abs(x - y) <= 1e-3 * x for x, y in zip(*val)), val
     for x, y in zip(a, b):
         assert abs(x - y) <= 1e-3 * abs(x), (a, b)
     # the gathered full state dict was written in Hugging Face format and loads in transformers

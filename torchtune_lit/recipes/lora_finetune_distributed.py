@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['load_sharded_lora_model', 'train', 'recipe_main']
 
-# %% ../../nbs/68_lora_finetune_distributed.ipynb #110d755e
+# %% ../../nbs/68_lora_finetune_distributed.ipynb #972b41ee
 import sys
 from pathlib import Path
 
@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader, DistributedSampler
+from tqdm.auto import tqdm
 
 import torchtune_lit.config as config
 import torchtune_lit.data as data
@@ -22,7 +23,7 @@ import torchtune_lit.recipes.lora_finetune_single_device as lora_single
 import torchtune_lit.training as training
 import torchtune_lit.training._distributed as distributed
 
-# %% ../../nbs/68_lora_finetune_distributed.ipynb #57327824
+# %% ../../nbs/68_lora_finetune_distributed.ipynb #f43e4cb7
 def load_sharded_lora_model(cfg: DictConfig, checkpointer, rank: int, device: torch.device,
                             dtype: torch.dtype) -> torch.nn.Module:
     "The LoRA model, sharded; rank 0 alone builds it in full (seeded adapters + the base checkpoint) and broadcasts."
@@ -66,6 +67,7 @@ def train(cfg: DictConfig) -> list[dict]:
     loader = DataLoader(dataset, batch_size=cfg.batch_size, sampler=sampler, drop_last=True,
                         collate_fn=data.padded_collate_packed if packed else data.padded_collate_sft)
     optimizer = config.instantiate(cfg.optimizer, [p for p in model.parameters() if p.requires_grad])
+    val_loader = full_distributed.validation_loader(cfg, tokenizer, rank, world_size)
     accumulation = cfg.get("gradient_accumulation_steps", 1)
     steps_per_epoch = len(loader) // accumulation
     if cfg.get("max_steps_per_epoch"):
@@ -87,6 +89,7 @@ def train(cfg: DictConfig) -> list[dict]:
             training.truncate_log(output_dir / "log.jsonl", step)
             print(f"Resuming from {folder} (sharded checkpoint)", flush=True)
     logger = training.JsonlLogger(output_dir) if rank == 0 else None
+    progress = tqdm(total=total_steps, initial=step, desc="train", disable=rank != 0 or not cfg.get("progress_bar", True))
     history = []
     for epoch in range(start_epoch, cfg.epochs):
         sampler.set_epoch(epoch)
@@ -101,16 +104,22 @@ def train(cfg: DictConfig) -> list[dict]:
             step += 1
             metrics = full_distributed.distributed_step(model, optimizer, micro, step, device, world_size,
                                                         cfg.get("clip_grad_norm"), lr_scheduler)
+            if val_loader is not None and step % cfg.get("run_val_every_n_steps", steps_per_epoch) == 0:
+                metrics["val_loss"] = full_distributed.distributed_validation_loss(model, val_loader, device, cfg.get("max_validation_batches"))
             if rank == 0:
                 logger.log(epoch=epoch, **metrics)
                 history.append(metrics)
-                print(f"step {step}: loss {metrics['loss']:.4f}", flush=True)
+                progress.update(1)
+                progress.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.1e}")
+                if progress.disable:
+                    print(f"step {step}: loss {metrics['loss']:.4f}", flush=True)
             if cfg.get("save_every_n_steps") and step % cfg.save_every_n_steps == 0 and step < total_steps:
                 state = {"lr_scheduler": lr_scheduler.state_dict() if lr_scheduler else None, "epoch": epoch,
                          "steps_into_epoch": i + 1, "step": step, "rng_generator": generator.get_state()}
                 distributed.save_sharded_checkpoint(model, optimizer, output_dir / f"step_{step}", state)
                 if rank == 0:
                     training.prune_step_checkpoints(output_dir, cfg.get("keep_last_n_checkpoints", 2))
+    progress.close()
     state = distributed.gather_full_state_dict(model)
     if rank == 0:
         logger.close()
@@ -124,13 +133,13 @@ def train(cfg: DictConfig) -> list[dict]:
     dist.destroy_process_group()
     return history
 
-# %% ../../nbs/68_lora_finetune_distributed.ipynb #2a393439
+# %% ../../nbs/68_lora_finetune_distributed.ipynb #d18b299e
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
     "Entry point: `tunelit run --nproc_per_node N lora_finetune_distributed --config tiny/lora_distributed`."
     train(cfg)
 
-# %% ../../nbs/68_lora_finetune_distributed.ipynb #b6f40a7d
+# %% ../../nbs/68_lora_finetune_distributed.ipynb #b0696673
 #| eval: false
 if __name__ == "__main__":
     sys.exit(recipe_main())
