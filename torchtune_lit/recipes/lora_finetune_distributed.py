@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['load_sharded_lora_model', 'train', 'recipe_main']
 
-# %% ../../nbs/68_lora_finetune_distributed.ipynb #972b41ee
+# %% ../../nbs/68_lora_finetune_distributed.ipynb #d2de0fd1
 import sys
 from pathlib import Path
 
@@ -23,9 +23,9 @@ import torchtune_lit.recipes.lora_finetune_single_device as lora_single
 import torchtune_lit.training as training
 import torchtune_lit.training._distributed as distributed
 
-# %% ../../nbs/68_lora_finetune_distributed.ipynb #f43e4cb7
+# %% ../../nbs/68_lora_finetune_distributed.ipynb #532480e1
 def load_sharded_lora_model(cfg: DictConfig, checkpointer, rank: int, device: torch.device,
-                            dtype: torch.dtype) -> torch.nn.Module:
+                            dtype: torch.dtype, inspect=None) -> torch.nn.Module:
     "The LoRA model, sharded; rank 0 alone builds it in full (seeded adapters + the base checkpoint) and broadcasts."
     if cfg.model.get("quantize_base", False) or "qlora" in cfg.model._component_:
         raise ValueError("lora_finetune_distributed does not shard QLoRA's NF4 base weights; run QLoRA with "
@@ -35,6 +35,9 @@ def load_sharded_lora_model(cfg: DictConfig, checkpointer, rank: int, device: to
     with torch.device("meta"):
         model = config.instantiate(cfg.model).to(dtype)
     peft.set_trainable_params(model, peft.get_adapter_params(model))
+    if inspect is not None and rank == 0:       # the base checkpoint's keys are the full state's minus the adapters
+        adapters = set(peft.get_adapter_params(model))
+        inspect(model, {k: v for k, v in full_state.items() if k not in adapters})
     if cfg.get("enable_activation_checkpointing", False):
         training.set_activation_checkpointing(model)
     if cfg.get("compile", False):
@@ -54,13 +57,14 @@ def train(cfg: DictConfig) -> list[dict]:
         output_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(cfg, output_dir / "config.yaml")
     checkpointer = config.instantiate(cfg.checkpointer)
-    model = load_sharded_lora_model(cfg, checkpointer, rank, device, dtype)
+    tokenizer = config.instantiate(cfg.tokenizer)
+    dataset = config.instantiate(cfg.dataset, tokenizer)
+    model = load_sharded_lora_model(cfg, checkpointer, rank, device, dtype,
+                                    inspect=full_distributed.preflight_printer(cfg, tokenizer, dataset, output_dir, world_size))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if rank == 0:
         print(f"Training {trainable:,} adapter parameters of {sum(p.numel() for p in model.parameters()):,} "
               f"on {world_size} processes.", flush=True)
-    tokenizer = config.instantiate(cfg.tokenizer)
-    dataset = config.instantiate(cfg.dataset, tokenizer)
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=cfg.get("shuffle", True),
                                  seed=cfg.seed, drop_last=True)
     packed = cfg.dataset.get("packed", False)
@@ -133,13 +137,13 @@ def train(cfg: DictConfig) -> list[dict]:
     dist.destroy_process_group()
     return history
 
-# %% ../../nbs/68_lora_finetune_distributed.ipynb #d18b299e
+# %% ../../nbs/68_lora_finetune_distributed.ipynb #bd59c7bc
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
     "Entry point: `tunelit run --nproc_per_node N lora_finetune_distributed --config tiny/lora_distributed`."
     train(cfg)
 
-# %% ../../nbs/68_lora_finetune_distributed.ipynb #b0696673
+# %% ../../nbs/68_lora_finetune_distributed.ipynb #518d8b04
 #| eval: false
 if __name__ == "__main__":
     sys.exit(recipe_main())

@@ -7,7 +7,7 @@ __all__ = ['FORMAT_FAMILIES', 'data_findings', 'chat_format_findings', 'tokenize
            'optimisation_findings', 'memory_findings', 'check_first_loss', 'ChosenView', 'preflight_report',
            'format_report', 'save_report']
 
-# %% ../../nbs/54_preflight.ipynb #20f77df9
+# %% ../../nbs/54_preflight.ipynb #57639e61
 import json
 import math
 import statistics
@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 import torchtune_lit.config as config
 from ..data._messages import CROSS_ENTROPY_IGNORE_IDX
 
-# %% ../../nbs/54_preflight.ipynb #ddf9c840
+# %% ../../nbs/54_preflight.ipynb #3e504d86
 def _finding(level: str, message: str, **numbers: Any) -> dict[str, Any]:
     return {"level": level, "message": message, **numbers}
 
@@ -170,6 +170,10 @@ def memory_findings(cfg: DictConfig, model: torch.nn.Module, max_tokens_per_samp
     checkpointing = bool(cfg.get("enable_activation_checkpointing", False))
     estimate = estimate_training_memory(model, cfg.batch_size, seq_len, DTYPES.get(cfg.get("dtype", "fp32"), torch.float32),
                                         activation_checkpointing=checkpointing)
+    if world_size > 1:                      # FSDP2: each process holds 1/world_size of these three
+        estimate.weights /= world_size
+        estimate.gradients /= world_size
+        estimate.optimizer_states /= world_size
     device = torch.device(cfg.get("device", "cpu"))
     available, what = _device_memory(device)
     numbers = {"predicted_bytes": estimate.total, "largest_term": estimate.largest, "available_bytes": available,
@@ -177,7 +181,7 @@ def memory_findings(cfg: DictConfig, model: torch.nn.Module, max_tokens_per_samp
                "activations": estimate.activations, "loss": estimate.loss}
     message = f"{estimate.summary()} (batch {cfg.batch_size} x {seq_len} tokens)"
     if world_size > 1:
-        message += f"; FSDP2 divides weights, gradients and optimizer states by {world_size} processes"
+        message += f"; per process, with weights, gradients and optimizer states sharded over {world_size}"
     if available is not None and estimate.total > 0.9 * available:
         fixes = [] if checkpointing else ["enable_activation_checkpointing=true"]
         fixes += ["a smaller batch_size with more gradient_accumulation_steps", "LoRA or QLoRA", "dtype=bf16"]
@@ -193,7 +197,7 @@ def check_first_loss(loss: float, vocab_size: int, pretrained: bool) -> Optional
                 "output layer: a wrong checkpoint key map, tokenizer or chat format would look like this")
     return None
 
-# %% ../../nbs/54_preflight.ipynb #aa859572
+# %% ../../nbs/54_preflight.ipynb #d4226c59
 class ChosenView:
     """A preference dataset seen through its chosen answers — `{"tokens", "labels"}` samples and a message transform
     returning the chosen conversation — so the data checks (lengths, trained fraction, prompt leaks) apply to DPO."""
@@ -213,8 +217,9 @@ class ChosenView:
 
 
 def preflight_report(cfg: DictConfig, model: Optional[torch.nn.Module] = None, tokenizer: Any = None, dataset: Any = None,
-                     state_dict: Optional[dict] = None, max_samples: int = 2000) -> dict[str, list[dict]]:
-    "The report for `cfg`; objects a recipe already built can be passed in, the rest are built here."
+                     state_dict: Optional[dict] = None, max_samples: int = 2000, world_size: int = 1) -> dict[str, list[dict]]:
+    """The report for `cfg`; objects a recipe already built can be passed in (a model on the meta device works: only
+    shapes are read), the rest are built here. `world_size`: the processes FSDP2 shards over."""
     tokenizer = tokenizer or config.instantiate(cfg.tokenizer)
     dataset = dataset if dataset is not None else config.instantiate(cfg.dataset, tokenizer)
     checkpointer = config.instantiate(cfg.checkpointer)
@@ -236,8 +241,8 @@ def preflight_report(cfg: DictConfig, model: Optional[torch.nn.Module] = None, t
             "checkpoint": (checkpoint_findings(model, state_dict, adapters) if state_dict or not from_scratch else
                            [_finding("ok", "checkpoint_files: [] -- training from the model's initialisation, as asked "
                                            "(no weights are loaded)")]),
-            "optimisation": optimisation_findings(cfg, model, median_trained),
-            "memory": memory_findings(cfg, model, data[0]["max_tokens"])}
+            "optimisation": optimisation_findings(cfg, model, median_trained, world_size),
+            "memory": memory_findings(cfg, model, data[0]["max_tokens"], world_size)}
 
 
 def format_report(report: dict[str, list[dict]]) -> str:
