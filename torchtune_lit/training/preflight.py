@@ -7,7 +7,7 @@ __all__ = ['FORMAT_FAMILIES', 'data_findings', 'chat_format_findings', 'tokenize
            'optimisation_findings', 'memory_findings', 'check_first_loss', 'ChosenView', 'preflight_report',
            'format_report', 'save_report']
 
-# %% ../../nbs/54_preflight.ipynb #57639e61
+# %% ../../nbs/54_preflight.ipynb #93e294dd
 import json
 import math
 import statistics
@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 import torchtune_lit.config as config
 from ..data._messages import CROSS_ENTROPY_IGNORE_IDX
 
-# %% ../../nbs/54_preflight.ipynb #3e504d86
+# %% ../../nbs/54_preflight.ipynb #af4eea61
 def _finding(level: str, message: str, **numbers: Any) -> dict[str, Any]:
     return {"level": level, "message": message, **numbers}
 
@@ -160,15 +160,17 @@ def _device_memory(device: torch.device) -> tuple[Optional[int], str]:
         return None, "unknown"
 
 
-def memory_findings(cfg: DictConfig, model: torch.nn.Module, max_tokens_per_sample: int, world_size: int = 1) -> list[dict]:
-    "The memory planner's peak for this config (the longest sample seen sets the padded length), against the device."
+def memory_findings(cfg: DictConfig, model: torch.nn.Module, max_tokens_per_sample: int, world_size: int = 1,
+                    sequences_per_sample: int = 1) -> list[dict]:
+    """The memory planner's peak for this config (the longest sample seen sets the padded length), against the device.
+    `sequences_per_sample`: 2 for preference pairs (chosen and rejected run in one batch)."""
     from torchtune_lit.training.memory import estimate_training_memory
     from torchtune_lit.training._utils import DTYPES
     seq_len = max_tokens_per_sample
     if cfg.dataset.get("packed", False) and cfg.tokenizer.get("max_seq_len"):
         seq_len = cfg.tokenizer.max_seq_len
     checkpointing = bool(cfg.get("enable_activation_checkpointing", False))
-    estimate = estimate_training_memory(model, cfg.batch_size, seq_len, DTYPES.get(cfg.get("dtype", "fp32"), torch.float32),
+    estimate = estimate_training_memory(model, cfg.batch_size * sequences_per_sample, seq_len, DTYPES.get(cfg.get("dtype", "fp32"), torch.float32),
                                         activation_checkpointing=checkpointing)
     if world_size > 1:                      # FSDP2: each process holds 1/world_size of these three
         estimate.weights /= world_size
@@ -179,7 +181,7 @@ def memory_findings(cfg: DictConfig, model: torch.nn.Module, max_tokens_per_samp
     numbers = {"predicted_bytes": estimate.total, "largest_term": estimate.largest, "available_bytes": available,
                "weights": estimate.weights, "gradients": estimate.gradients, "optimizer_states": estimate.optimizer_states,
                "activations": estimate.activations, "loss": estimate.loss}
-    message = f"{estimate.summary()} (batch {cfg.batch_size} x {seq_len} tokens)"
+    message = f"{estimate.summary()} (batch {cfg.batch_size * sequences_per_sample} x {seq_len} tokens)"
     if world_size > 1:
         message += f"; per process, with weights, gradients and optimizer states sharded over {world_size}"
     if available is not None and estimate.total > 0.9 * available:
@@ -197,7 +199,7 @@ def check_first_loss(loss: float, vocab_size: int, pretrained: bool) -> Optional
                 "output layer: a wrong checkpoint key map, tokenizer or chat format would look like this")
     return None
 
-# %% ../../nbs/54_preflight.ipynb #d4226c59
+# %% ../../nbs/54_preflight.ipynb #075249af
 class ChosenView:
     """A preference dataset seen through its chosen answers — `{"tokens", "labels"}` samples and a message transform
     returning the chosen conversation — so the data checks (lengths, trained fraction, prompt leaks) apply to DPO."""
@@ -242,7 +244,8 @@ def preflight_report(cfg: DictConfig, model: Optional[torch.nn.Module] = None, t
                            [_finding("ok", "checkpoint_files: [] -- training from the model's initialisation, as asked "
                                            "(no weights are loaded)")]),
             "optimisation": optimisation_findings(cfg, model, median_trained, world_size),
-            "memory": memory_findings(cfg, model, data[0]["max_tokens"], world_size)}
+            "memory": memory_findings(cfg, model, data[0]["max_tokens"], world_size,
+                                      sequences_per_sample=2 if isinstance(dataset, ChosenView) else 1)}
 
 
 def format_report(report: dict[str, list[dict]]) -> str:
