@@ -14,4 +14,5 @@ run --peer hf --mode lora --dtype fp32 --pairs 3
 run --peer torchtune --mode full --dtype fp32 --pairs 3
 run --peer hf --mode full --dtype fp32 --pairs 3
 run --peer torchtune --mode lora --dtype bf16 --compile --pairs 3
+run --peer hf --mode lora --dtype bf16 --compile --pairs 3
 echo "=== extras"; $PY extras.py all
