@@ -1,5 +1,6 @@
 """The real-model configs: each names the folder its `tunelit download` comment writes, builds its model on the meta
-device (no weights, no memory) with the parameter count of the published checkpoint, and fits the planner's budget."""
+device (no weights, no memory) with the parameter count of transformers' model of the published config, and fits the
+planner's budget."""
 import re
 
 import pytest
@@ -10,10 +11,19 @@ from torchtune_lit._recipe_registry import get_all_recipes
 from torchtune_lit.training.memory import estimate_training_memory
 
 REAL = [c for r in get_all_recipes() for c in r.configs if not c.name.startswith("tiny/")]
-# parameter counts of the published checkpoints (safetensors metadata on the Hub model pages)
-PARAMS = {"llama3_2/1B": 1_235_814_400, "llama3_2/3B": 3_212_749_824, "llama3_1/8B": 8_030_261_248,
-          "qwen2_5/0.5B": 494_032_768, "qwen2_5/1.5B": 1_543_714_304, "qwen2_5/7B": 7_615_616_512,
-          "gemma2/2B": 2_614_341_888, "mistral/7B": 7_248_023_552}
+# the published configs (test_hf_parity.PUBLISHED) of each config's model: the reference parameter count is that of
+# the transformers model built from it on the meta device
+REFERENCE = {"llama3_2/1B": "llama3_2.llama3_2_1b", "llama3_2/3B": "llama3_2.llama3_2_3b", "llama3_1/8B": "llama3_1.llama3_1_8b",
+             "qwen2_5/0.5B": "qwen2_5.qwen2_5_0_5b", "qwen2_5/1.5B": "qwen2_5.qwen2_5_1_5b", "qwen2_5/7B": "qwen2_5.qwen2_5_7b",
+             "gemma2/2B": "gemma2.gemma2_2b", "mistral/7B": "mistral.mistral_7b_v0_3"}
+
+
+def reference_parameters(size: str) -> int:
+    import transformers
+    from test_hf_parity import PUBLISHED
+    config_cls, numbers = PUBLISHED[REFERENCE[size]]
+    with torch.device("meta"):
+        return sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config_cls(**numbers)).parameters())
 
 
 def test_every_family_has_its_configs():
@@ -36,7 +46,7 @@ def test_real_config(entry):
         model = config.instantiate(cfg.model)
     frozen_or_full = {n: p.numel() for n, p in model.named_parameters() if ".lora_" not in n}
     size = entry.name.split("_")[0] if entry.name.count("_") == 1 else entry.name.rsplit("_", 1)[0]
-    assert sum(frozen_or_full.values()) == PARAMS[size], entry.name
+    assert sum(frozen_or_full.values()) == reference_parameters(size), entry.name
     if ".lora_" in "".join(n for n, _ in model.named_parameters()):
         for name, param in model.named_parameters():
             param.requires_grad_(".lora_" in name)

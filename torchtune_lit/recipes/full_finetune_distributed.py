@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['distributed_step', 'load_sharded_model', 'preflight_printer', 'distributed_validation_loss', 'validation_loader',
-           'train', 'recipe_main']
+           'resume_sharded', 'save_step_checkpoint', 'train', 'recipe_main']
 
 # %% ../../nbs/65_full_finetune_distributed.ipynb #4254ee2e
 import sys
@@ -108,6 +108,34 @@ def validation_loader(cfg: DictConfig, tokenizer, rank: int, world_size: int):
     return DataLoader(dataset, batch_size=cfg.batch_size, sampler=sampler, collate_fn=data.padded_collate_sft)
 
 
+def resume_sharded(cfg: DictConfig, model, optimizer, lr_scheduler, output_dir: Path, rank: int) -> tuple:
+    """With resume_from_checkpoint: read the newest sharded step checkpoint back (each rank its own shards) and return
+    (epoch, steps to skip in it, global step, random states); (0, 0, 0, None) otherwise."""
+    if not cfg.get("resume_from_checkpoint", False):
+        return 0, 0, 0, None
+    folder = training.latest_step_checkpoint(output_dir)
+    if folder is None:
+        raise FileNotFoundError(f"resume_from_checkpoint=true but {output_dir} has no step_N checkpoint; run with "
+                                "save_every_n_steps first, or drop resume_from_checkpoint.")
+    resumed = distributed.load_sharded_checkpoint(model, optimizer, folder)
+    if lr_scheduler is not None and resumed.get("lr_scheduler") is not None:
+        lr_scheduler.load_state_dict(resumed["lr_scheduler"])
+    if rank == 0:
+        training.truncate_log(output_dir / "log.jsonl", resumed["step"])
+        print(f"Resuming from {folder} (sharded checkpoint)", flush=True)
+    return resumed["epoch"], resumed["steps_into_epoch"], resumed["step"], resumed["rng"]
+
+
+def save_step_checkpoint(cfg: DictConfig, model, optimizer, lr_scheduler, generator, output_dir: Path, rank: int, *,
+                         epoch: int, steps_into_epoch: int, step: int) -> None:
+    "A sharded `step_N` checkpoint of model, optimizer, schedule and position; rank 0 keeps the newest few."
+    state = {"lr_scheduler": lr_scheduler.state_dict() if lr_scheduler else None, "epoch": epoch,
+             "steps_into_epoch": steps_into_epoch, "step": step, "rng_generator": generator.get_state()}
+    distributed.save_sharded_checkpoint(model, optimizer, output_dir / f"step_{step}", state)
+    if rank == 0:
+        training.prune_step_checkpoints(output_dir, cfg.get("keep_last_n_checkpoints", 2))
+
+
 def train(cfg: DictConfig) -> list[dict]:
     "Run the recipe on every rank; rank 0 logs and saves. Returns rank 0's metrics."
     rank, world_size, device = distributed.init_distributed()
@@ -137,19 +165,7 @@ def train(cfg: DictConfig) -> list[dict]:
     lr_scheduler = (config.instantiate(cfg.lr_scheduler, optimizer, num_training_steps=total_steps)
                     if cfg.get("lr_scheduler") else None)
 
-    start_epoch, skip, step, pending_rng = 0, 0, 0, None
-    if cfg.get("resume_from_checkpoint", False):             # sharded: each rank reads its own shards back
-        folder = training.latest_step_checkpoint(output_dir)
-        if folder is None:
-            raise FileNotFoundError(f"resume_from_checkpoint=true but {output_dir} has no step_N checkpoint; run with "
-                                    "save_every_n_steps first, or drop resume_from_checkpoint.")
-        resumed = distributed.load_sharded_checkpoint(model, optimizer, folder)
-        if lr_scheduler is not None and resumed.get("lr_scheduler") is not None:
-            lr_scheduler.load_state_dict(resumed["lr_scheduler"])
-        start_epoch, skip, step, pending_rng = resumed["epoch"], resumed["steps_into_epoch"], resumed["step"], resumed["rng"]
-        if rank == 0:
-            training.truncate_log(output_dir / "log.jsonl", step)
-            print(f"Resuming from {folder} (sharded checkpoint)", flush=True)
+    start_epoch, skip, step, pending_rng = resume_sharded(cfg, model, optimizer, lr_scheduler, output_dir, rank)
     logger = training.JsonlLogger(output_dir) if rank == 0 else None
     progress = tqdm(total=total_steps, initial=step, desc="train", disable=rank != 0 or not cfg.get("progress_bar", True))
     history = []
@@ -175,11 +191,8 @@ def train(cfg: DictConfig) -> list[dict]:
                 if progress.disable:
                     print(f"step {step}: loss {metrics['loss']:.4f}", flush=True)
             if cfg.get("save_every_n_steps") and step % cfg.save_every_n_steps == 0 and step < total_steps:
-                state = {"lr_scheduler": lr_scheduler.state_dict() if lr_scheduler else None, "epoch": epoch,
-                         "steps_into_epoch": i + 1, "step": step, "rng_generator": generator.get_state()}
-                distributed.save_sharded_checkpoint(model, optimizer, output_dir / f"step_{step}", state)
-                if rank == 0:
-                    training.prune_step_checkpoints(output_dir, cfg.get("keep_last_n_checkpoints", 2))
+                save_step_checkpoint(cfg, model, optimizer, lr_scheduler, generator, output_dir, rank,
+                                     epoch=epoch, steps_into_epoch=i + 1, step=step)
     progress.close()
     state = distributed.gather_full_state_dict(model)
     if rank == 0:

@@ -113,12 +113,8 @@ def train(cfg: DictConfig) -> dict:
         training.preflight.save_report(report, output_dir)
         print(training.preflight.format_report(report))
     resumed = full_finetune.resume_state(cfg, student)          # the student's weights + recipe state
-    start_epoch, skip, step = (resumed["epoch"], resumed["steps_into_epoch"], resumed["step"]) if resumed else (0, 0, 0)
-    if resumed:
-        training.restore_training_state(resumed, optimizer, lr_scheduler)
-        training.truncate_log(output_dir / "log.jsonl", step)
-        generator.set_state(resumed["rng"]["generator"])
-    pending_rng = resumed["rng"] if resumed else None
+    start_epoch, skip, step, pending_rng = training.resume_position(resumed, optimizer, lr_scheduler, generator,
+                                                                    output_dir / "log.jsonl")
     kl_before = resumed["kl_before"] if resumed else kl_to_teacher(student, teacher, held_out)
     logger, history = training.JsonlLogger(output_dir), []
     progress = tqdm(total=total_steps, initial=step, desc="distil", disable=not cfg.get("progress_bar", True))

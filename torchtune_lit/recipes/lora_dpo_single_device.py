@@ -101,12 +101,8 @@ def train(cfg: DictConfig) -> list[dict]:
     lr_scheduler = (config.instantiate(cfg.lr_scheduler, optimizer, num_training_steps=total_steps)
                     if cfg.get("lr_scheduler") else None)
     resumed = lora_recipe.resume_state(cfg, model)               # the LoRA recipe's: adapters + recipe state
-    start_epoch, skip, step = (resumed["epoch"], resumed["steps_into_epoch"], resumed["step"]) if resumed else (0, 0, 0)
-    if resumed:
-        training.restore_training_state(resumed, optimizer, lr_scheduler)
-        training.truncate_log(output_dir / "log.jsonl", step)
-        generator.set_state(resumed["rng"]["generator"])
-    pending_rng = resumed["rng"] if resumed else None
+    start_epoch, skip, step, pending_rng = training.resume_position(resumed, optimizer, lr_scheduler, generator,
+                                                                    output_dir / "log.jsonl")
     logger, history = training.JsonlLogger(output_dir), []
     progress = tqdm(total=total_steps, initial=step, desc="dpo", disable=not cfg.get("progress_bar", True))
     for epoch in range(start_epoch, cfg.epochs):

@@ -79,19 +79,7 @@ def train(cfg: DictConfig) -> list[dict]:
     total_steps = cfg.epochs * steps_per_epoch
     lr_scheduler = (config.instantiate(cfg.lr_scheduler, optimizer, num_training_steps=total_steps)
                     if cfg.get("lr_scheduler") else None)
-    start_epoch, skip, step, pending_rng = 0, 0, 0, None
-    if cfg.get("resume_from_checkpoint", False):             # sharded, as in full_finetune_distributed
-        folder = training.latest_step_checkpoint(output_dir)
-        if folder is None:
-            raise FileNotFoundError(f"resume_from_checkpoint=true but {output_dir} has no step_N checkpoint; run with "
-                                    "save_every_n_steps first, or drop resume_from_checkpoint.")
-        resumed = distributed.load_sharded_checkpoint(model, optimizer, folder)
-        if lr_scheduler is not None and resumed.get("lr_scheduler") is not None:
-            lr_scheduler.load_state_dict(resumed["lr_scheduler"])
-        start_epoch, skip, step, pending_rng = resumed["epoch"], resumed["steps_into_epoch"], resumed["step"], resumed["rng"]
-        if rank == 0:
-            training.truncate_log(output_dir / "log.jsonl", step)
-            print(f"Resuming from {folder} (sharded checkpoint)", flush=True)
+    start_epoch, skip, step, pending_rng = full_distributed.resume_sharded(cfg, model, optimizer, lr_scheduler, output_dir, rank)
     logger = training.JsonlLogger(output_dir) if rank == 0 else None
     progress = tqdm(total=total_steps, initial=step, desc="train", disable=rank != 0 or not cfg.get("progress_bar", True))
     history = []
@@ -118,11 +106,8 @@ def train(cfg: DictConfig) -> list[dict]:
                 if progress.disable:
                     print(f"step {step}: loss {metrics['loss']:.4f}", flush=True)
             if cfg.get("save_every_n_steps") and step % cfg.save_every_n_steps == 0 and step < total_steps:
-                state = {"lr_scheduler": lr_scheduler.state_dict() if lr_scheduler else None, "epoch": epoch,
-                         "steps_into_epoch": i + 1, "step": step, "rng_generator": generator.get_state()}
-                distributed.save_sharded_checkpoint(model, optimizer, output_dir / f"step_{step}", state)
-                if rank == 0:
-                    training.prune_step_checkpoints(output_dir, cfg.get("keep_last_n_checkpoints", 2))
+                full_distributed.save_step_checkpoint(cfg, model, optimizer, lr_scheduler, generator, output_dir, rank,
+                                     epoch=epoch, steps_into_epoch=i + 1, step=step)
     progress.close()
     state = distributed.gather_full_state_dict(model)
     if rank == 0:

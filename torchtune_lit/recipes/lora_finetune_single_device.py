@@ -88,12 +88,8 @@ def train(cfg: DictConfig) -> list[dict]:
     lora = adapter_config(cfg)
 
     resumed = resume_state(cfg, model)
-    start_epoch, skip, step = (resumed["epoch"], resumed["steps_into_epoch"], resumed["step"]) if resumed else (0, 0, 0)
-    if resumed:
-        training.restore_training_state(resumed, optimizer, lr_scheduler)
-        training.truncate_log(output_dir / "log.jsonl", step)
-        generator.set_state(resumed["rng"]["generator"])
-    pending_rng = resumed["rng"] if resumed else None
+    start_epoch, skip, step, pending_rng = training.resume_position(resumed, optimizer, lr_scheduler, generator,
+                                                                    output_dir / "log.jsonl")
     logger, history = training.JsonlLogger(output_dir), []
     extra_logger = config.instantiate(cfg.get("metric_logger"))       # optional: TensorBoard, W&B, MLflow, stdout
     progress = tqdm(total=total_steps, initial=step, desc="train", disable=not cfg.get("progress_bar", True))

@@ -5,8 +5,8 @@
 # %% auto #0
 __all__ = ['DTYPES', 'get_device', 'get_dtype', 'set_seed', 'scale_grads', 'check_loss_is_finite', 'setup_run', 'JsonlLogger',
            'read_jsonl', 'capture_rng_state', 'restore_rng_state', 'latest_step_checkpoint', 'load_recipe_state',
-           'make_recipe_state', 'restore_training_state', 'prune_step_checkpoints', 'truncate_log', 'shift_labels',
-           'summed_cross_entropy', 'train_step', 'validation_loss']
+           'make_recipe_state', 'restore_training_state', 'resume_position', 'prune_step_checkpoints', 'truncate_log',
+           'shift_labels', 'summed_cross_entropy', 'train_step', 'validation_loss']
 
 # %% ../../nbs/51_training_utils.ipynb #225eef38
 import json
@@ -140,6 +140,19 @@ def restore_training_state(state: dict[str, Any], optimizer: torch.optim.Optimiz
     optimizer.load_state_dict(state["optimizer"])
     if lr_scheduler is not None and state.get("lr_scheduler") is not None:
         lr_scheduler.load_state_dict(state["lr_scheduler"])
+
+
+def resume_position(state: Optional[dict[str, Any]], optimizer: torch.optim.Optimizer, lr_scheduler: Any,
+                    generator: torch.Generator, log_path: Union[str, Path]) -> tuple[int, int, int, Optional[dict]]:
+    """Where a loop continues: (epoch, optimizer steps to skip in it, global step, random states to restore before the
+    next step) — (0, 0, 0, None) for a fresh run. Restores optimizer and scheduler, drops log lines after the
+    checkpoint's step and rewinds the data generator to the start of the checkpoint's epoch."""
+    if state is None:
+        return 0, 0, 0, None
+    restore_training_state(state, optimizer, lr_scheduler)
+    truncate_log(log_path, state["step"])
+    generator.set_state(state["rng"]["generator"])
+    return state["epoch"], state["steps_into_epoch"], state["step"], state["rng"]
 
 
 def prune_step_checkpoints(output_dir: Union[str, Path], keep: int) -> None:
