@@ -5,11 +5,12 @@
 # %% auto #0
 __all__ = ['RMSNorm', 'GemmaRMSNorm']
 
-# %% ../../nbs/10_rms_norm.ipynb #849f3d3e
+# %% ../../nbs/10_rms_norm.ipynb #eb28a74e
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-# %% ../../nbs/10_rms_norm.ipynb #b8d2e8ad
+# %% ../../nbs/10_rms_norm.ipynb #47718ba6
 class RMSNorm(nn.Module):
     """Root-mean-square normalisation over the last dimension, with a learned per-channel gain.
 
@@ -21,11 +22,13 @@ class RMSNorm(nn.Module):
         self.scale = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scale.dtype == x.dtype:                 # PyTorch's op: the same fp32 arithmetic, fewer autograd nodes
+            return F.rms_norm(x, (x.shape[-1],), self.scale, self.eps)
         x_fp32 = x.float()
         normed = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (normed * self.scale.float()).type_as(x)
 
-# %% ../../nbs/10_rms_norm.ipynb #c151fefe
+# %% ../../nbs/10_rms_norm.ipynb #593711c0
 class GemmaRMSNorm(nn.Module):
     "RMSNorm whose gain is `1 + scale` (Gemma's parameterisation); `scale` starts at zero. Computed in fp32."
 

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['LoRALinear']
 
-# %% ../../../nbs/70_lora.ipynb #6e50ddfa
+# %% ../../../nbs/70_lora.ipynb #58d5bcdb
 import math
 from typing import Optional
 
@@ -14,7 +14,36 @@ import torch.nn.functional as F
 from torch import nn
 from ..low_precision.nf4 import NF4Tensor, linear_nf4, to_nf4
 
-# %% ../../../nbs/70_lora.ipynb #1457f3ba
+# %% ../../../nbs/70_lora.ipynb #2b61ada4
+class _FrozenBaseLoRA(torch.autograd.Function):
+    "y = x W^T (+ b) + s (x A^T) B^T with W (and b) frozen: one node, the additions fused into the matrix products."
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], lora_a: torch.Tensor,
+                lora_b: torch.Tensor, scaling: float) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])                          # [N, in]
+        out = rows @ weight.t()                                    # [N, out]
+        if bias is not None:
+            out += bias
+        u = rows @ lora_a.t()                                      # [N, rank]
+        out.addmm_(u, lora_b.t(), alpha=scaling)                   # out += s u B^T, in place
+        ctx.save_for_backward(rows, u, weight, lora_a, lora_b)
+        ctx.scaling, ctx.input_shape = scaling, x.shape
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        rows, u, weight, lora_a, lora_b = ctx.saved_tensors
+        grad = grad_out.reshape(-1, grad_out.shape[-1])            # [N, out]
+        grad_b = (grad.t() @ u).mul_(ctx.scaling)                   # [out, rank]
+        grad_u = (grad @ lora_b).mul_(ctx.scaling)                  # [N, rank]
+        grad_a = grad_u.t() @ rows                                  # [rank, in]
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = (grad @ weight).addmm_(grad_u, lora_a).view(ctx.input_shape)
+        return grad_x, None, None, grad_a, grad_b, None
+
+# %% ../../../nbs/70_lora.ipynb #fc84500b
 class LoRALinear(nn.Module):
     """`W x (+ b) + (alpha / rank) * lora_b(lora_a(dropout(x)))` with `W` frozen by the recipe and `lora_b` initialised
     to zero. `quantize_base=True` stores `W` as torchao NF4 (QLoRA). `disabled=True` computes the base layer alone.
@@ -55,8 +84,15 @@ class LoRALinear(nn.Module):
         out = linear_nf4(input=x, weight=self.weight) if self._quantize_base else F.linear(x, self.weight)
         return out + self.bias if self.bias is not None else out
 
+    def _base_frozen(self) -> bool:
+        "True when the fused single-node path applies: dense W and bias frozen, no dropout."
+        return (not self._quantize_base and not self.weight.requires_grad and isinstance(self.dropout, nn.Identity)
+                and (self.bias is None or not self.bias.requires_grad))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.base_forward(x)
         if self.disabled:
-            return out
+            return self.base_forward(x)
+        if self._base_frozen():
+            return _FrozenBaseLoRA.apply(x, self.weight, self.bias, self.lora_a.weight, self.lora_b.weight, self.scaling)
+        out = self.base_forward(x)
         return out + self.lora_b(self.lora_a(self.dropout(x))) * self.scaling
