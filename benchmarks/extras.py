@@ -3,7 +3,8 @@
     python benchmarks/extras.py generation   # greedy tokens/s with the KV cache: ours vs transformers' generate
     python benchmarks/extras.py ce_memory    # peak RSS of chunked vs naive cross-entropy at vocabulary 128,256
     python benchmarks/extras.py nf4_time     # NF4 quantization of a 4096 x 4096 weight: ours vs torchao's to_nf4
-    python benchmarks/extras.py all          # all three (each side of each in its own process)
+    python benchmarks/extras.py attention    # causal SDPA forward + backward on CPU: bf16 vs fp32, over sequence lengths
+    python benchmarks/extras.py all          # all of them (each side of each in its own process)
 """
 import json
 import resource
@@ -79,7 +80,35 @@ def nf4_time(impl: str, repeats: int = 5) -> dict:
     return {"measure": "nf4_time", "impl": impl, "seconds": statistics.median(times)}
 
 
-MEASURES = {"generation": (generation, ["ours", "transformers"]), "ce_memory": (ce_memory, ["chunked", "naive"]),
+def attention(impl: str, repeats: int = 6) -> dict:
+    """Median ms of causal GQA SDPA forward + backward on bf16 inputs, run in bf16 or upcast to fp32, for head
+    dimensions 32/64/128 and sequences 128-2048 at 2,048 tokens per batch: the sweep behind the attention chapter's
+    CPU rule (fp32 when seq_len x head_dim <= 16,384)."""
+    import torch.nn.functional as F
+    timings = {}
+    for head_dim, heads in [(32, 8), (64, 16), (128, 8)]:
+        for seq in [128, 256, 512, 1024, 2048]:
+            batch = 2048 // seq
+            gen = torch.Generator().manual_seed(0)
+            q = torch.randn(batch, heads, seq, head_dim, generator=gen).bfloat16().requires_grad_()
+            k, v = (torch.randn(batch, heads // 2, seq, head_dim, generator=gen).bfloat16().requires_grad_() for _ in range(2))
+            grad = torch.randn(batch, heads, seq, head_dim, generator=gen).bfloat16()
+            cast = torch.float32 if impl == "fp32" else torch.bfloat16
+
+            def run():
+                out = F.scaled_dot_product_attention(q.to(cast), k.to(cast), v.to(cast), is_causal=True, enable_gqa=True)
+                out.to(torch.bfloat16).backward(grad)
+            run()
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                run()
+                times.append(time.perf_counter() - start)
+            timings[f"head_dim={head_dim},seq={seq}"] = round(1000 * statistics.median(times), 2)
+    return {"measure": "attention", "impl": impl, "ms": timings}
+
+
+MEASURES = {"attention": (attention, ["bf16", "fp32"]), "generation": (generation, ["ours", "transformers"]), "ce_memory": (ce_memory, ["chunked", "naive"]),
             "nf4_time": (nf4_time, ["ours", "torchao"])}
 
 
@@ -95,6 +124,9 @@ def main() -> None:
             results[impl] = json.loads(out.stdout.strip().splitlines()[-1])
         for impl in MEASURES[name][1]:
             print(json.dumps(results[impl]), flush=True)
+        if name == "attention":                                  # the ratio per shape: > 1 means fp32 is faster
+            bf16, fp32 = results["bf16"]["ms"], results["fp32"]["ms"]
+            print(json.dumps({"measure": "attention", "bf16_over_fp32": {k: round(bf16[k] / fp32[k], 2) for k in bf16}}))
 
 
 if __name__ == "__main__":

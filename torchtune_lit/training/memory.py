@@ -7,7 +7,7 @@ __all__ = ['NF4_BITS_PER_PARAM', 'layer_activation_bytes_per_token', 'MemoryEsti
            'set_activation_checkpointing', 'OffloadActivations', 'compile_model', 'compile_loss', 'PeakMemory',
            'measure_step_peak']
 
-# %% ../../nbs/56_memory.ipynb #d8df195c
+# %% ../../nbs/56_memory.ipynb #de792587
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional
@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-# %% ../../nbs/56_memory.ipynb #7d9c6e94
+# %% ../../nbs/56_memory.ipynb #08aef02d
 NF4_BITS_PER_PARAM = 4 + 8 / 64 + 32 / (64 * 256)   # 4-bit codes, an int8 scale per 64, an fp32 factor per 256 scales
 
 
@@ -30,9 +30,12 @@ def _lora_rank(module: nn.Module) -> int:
     return getattr(module, "rank", 0) if hasattr(module, "lora_a") else 0
 
 
-def layer_activation_bytes_per_token(layer: nn.Module, bytes_per_element: int) -> int:
-    "Bytes autograd keeps per token for one `TransformerSelfAttentionLayer` (derivation above)."
+def layer_activation_bytes_per_token(layer: nn.Module, bytes_per_element: int,
+                                     attention_bytes_per_element: Optional[int] = None) -> int:
+    """Bytes autograd keeps per token for one `TransformerSelfAttentionLayer` (derivation above).
+    `attention_bytes_per_element` is the element size SDPA runs in, when it differs from the parameters'."""
     attn, mlp, b = layer.attn, layer.mlp, bytes_per_element
+    b_attn = attention_bytes_per_element or b
     d = layer.mlp_norm.scale.numel()
     h = attn.num_heads * attn.head_dim
     g = attn.num_kv_heads * attn.head_dim
@@ -43,13 +46,13 @@ def layer_activation_bytes_per_token(layer: nn.Module, bytes_per_element: int) -
 
     qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
     total = norm(layer.sa_norm, any(_trains(m) for m in qkv))
-    total += b * (2 * h + 2 * g) + 4 * attn.num_heads           # SDPA: q, output, k, v (kv width), log-sum-exp
+    total += b_attn * (2 * h + 2 * g) + 4 * attn.num_heads      # SDPA: q, output, k, v (kv width), log-sum-exp
     total += norm(layer.mlp_norm, _trains(mlp.w1) or _trains(mlp.w3))
     total += 3 * b * f + (b * f if _trains(mlp.w2) else 0)         # SwiGLU
     adapted = (*qkv, attn.output_proj, mlp.w1, mlp.w2, mlp.w3)
     return total + sum(b * _lora_rank(m) for m in adapted)
 
-# %% ../../nbs/56_memory.ipynb #d1e10ea4
+# %% ../../nbs/56_memory.ipynb #646eeca5
 def _parameter_bytes(model: nn.Module, bytes_per_element: int) -> tuple[float, int]:
     "(bytes of all weights, number of trainable parameters), NF4 bases at 4.127 bits."
     from torchtune_lit.modules.low_precision.nf4 import FrozenNF4Linear, NF4Tensor
@@ -99,13 +102,21 @@ class MemoryEstimate:
 
 
 def estimate_training_memory(model: nn.Module, batch_size: int, seq_len: int, dtype: torch.dtype = torch.bfloat16,
-                             activation_checkpointing: bool = False, optimizer_states_per_param: int = 2) -> MemoryEstimate:
+                             activation_checkpointing: bool = False, optimizer_states_per_param: int = 2,
+                             device: Optional[torch.device] = None) -> MemoryEstimate:
     """The peak memory of one training step of `model` (with its `requires_grad` flags as the recipe sets them) on
-    `batch_size` x `seq_len` tokens in `dtype`. AdamW keeps 2 states per trainable parameter, SGD with momentum 1."""
+    `batch_size` x `seq_len` tokens in `dtype`. AdamW keeps 2 states per trainable parameter, SGD with momentum 1.
+    `device` (default: where the model's parameters are) decides whether attention runs in fp32 (CPU, short bf16)."""
+    from torchtune_lit.modules.attention import sdpa_compute_dtype
     b = torch.empty((), dtype=dtype).element_size()
     tokens = batch_size * seq_len
     weights, trainable = _parameter_bytes(model, b)
-    per_layer = [layer_activation_bytes_per_token(layer, b) for layer in model.layers]
+    if device is None:
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    per_layer = []
+    for layer in model.layers:
+        attention_dtype = sdpa_compute_dtype(dtype, device, seq_len, layer.attn.head_dim)
+        per_layer.append(layer_activation_bytes_per_token(layer, b, torch.empty((), dtype=attention_dtype).element_size()))
     notes, recomputed = [], 0.0
     if activation_checkpointing:
         activations = tokens * len(per_layer) * b * model.tok_embeddings.embedding_dim
@@ -120,7 +131,7 @@ def estimate_training_memory(model: nn.Module, batch_size: int, seq_len: int, dt
     return MemoryEstimate(weights=weights, gradients=trainable * b, optimizer_states=optimizer_states_per_param * trainable * b,
                           activations=activations, loss=loss, tokens=tokens, notes=notes, recomputed=recomputed)
 
-# %% ../../nbs/56_memory.ipynb #cf33b4bd
+# %% ../../nbs/56_memory.ipynb #064260d4
 def _checkpointed_forward(forward: Callable, *args: Any, **kwargs: Any) -> Any:
     return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
@@ -151,7 +162,7 @@ def _partial_forward(forward: Callable) -> Callable:
         return _checkpointed_forward(forward, *args, **kwargs)
     return checkpointed
 
-# %% ../../nbs/56_memory.ipynb #1cff45a8
+# %% ../../nbs/56_memory.ipynb #9f285c4b
 class OffloadActivations:
     """Context manager: keep the tensors saved for backward in pinned CPU memory while the forward pass runs on a GPU
     (`torch.autograd.graph.save_on_cpu`). On a CPU device it does nothing and says why."""
@@ -176,7 +187,7 @@ class OffloadActivations:
         if self._context is not None:
             self._context.__exit__(*exc)
 
-# %% ../../nbs/56_memory.ipynb #038896b2
+# %% ../../nbs/56_memory.ipynb #b6e67e65
 def _check_compiler(backend: str) -> None:
     import shutil, os
     if backend == "inductor" and not torch.cuda.is_available() and shutil.which(os.environ.get("CXX", "g++")) is None:
@@ -200,7 +211,7 @@ def compile_loss(loss_fn: Callable, backend: str = "inductor") -> Callable:
     _check_compiler(backend)
     return torch.compile(loss_fn, backend=backend)
 
-# %% ../../nbs/56_memory.ipynb #36933101
+# %% ../../nbs/56_memory.ipynb #cb615f61
 class PeakMemory(TorchDispatchMode):
     "Track the bytes of tensor storages created inside the context; `peak` is the most alive at once."
 
