@@ -5,13 +5,13 @@
 # %% auto #0
 __all__ = ['RotaryPositionalEmbeddings', 'Llama3ScaledRoPE']
 
-# %% ../../nbs/11_position_embeddings.ipynb #5276017a
+# %% ../../nbs/11_position_embeddings.ipynb #c801f540
 from typing import Optional
 
 import torch
 from torch import nn
 
-# %% ../../nbs/11_position_embeddings.ipynb #8026f81d
+# %% ../../nbs/11_position_embeddings.ipynb #ab5e417f
 class RotaryPositionalEmbeddings(nn.Module):
     """Rotary positional embeddings (RoFormer 2021) in Meta's interleaved-pair convention.
 
@@ -51,14 +51,11 @@ class RotaryPositionalEmbeddings(nn.Module):
             rope = self.cache[input_pos]                            # [b, s, d/2, 2] or [s, d/2, 2]
             if rope.dim() == 3:
                 rope = rope.unsqueeze(0)
-        rope = rope.unsqueeze(2)                                    # broadcast over heads: [b, s, 1, d/2, 2]
-        cos = rope[..., 0].repeat_interleave(2, dim=-1)             # [b, s, 1, d]: cos(m theta_i) on both channels
-        sin = torch.stack([-rope[..., 1], rope[..., 1]], dim=-1).flatten(-2)   # (-sin, +sin) per pair
-        x32 = x.float()
-        swapped = x32.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)   # (x1, x0) for each pair (x0, x1)
-        return (x32 * cos + swapped * sin).type_as(x)
+        turn = torch.view_as_complex(rope.float().unsqueeze(2).contiguous())    # [b, s, 1, d/2]: cos + i sin
+        pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)).contiguous())  # [b, s, h, d/2]: x0 + i x1
+        return torch.view_as_real(pairs * turn).flatten(3).type_as(x)
 
-# %% ../../nbs/11_position_embeddings.ipynb #f399dace
+# %% ../../nbs/11_position_embeddings.ipynb #07e01841
 class Llama3ScaledRoPE(RotaryPositionalEmbeddings):
     """RoPE with Llama 3.1's frequency scaling: low frequencies slowed by `scale_factor`, high ones kept,
     a smooth blend in between (see the formula above). Llama 3.1 uses scale_factor 8, Llama 3.2 uses 32."""
