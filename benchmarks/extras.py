@@ -83,7 +83,7 @@ def nf4_time(impl: str, repeats: int = 5) -> dict:
 def attention(impl: str, repeats: int = 6) -> dict:
     """Median ms of causal GQA SDPA forward + backward on bf16 inputs, run in bf16 or upcast to fp32, for head
     dimensions 32/64/128 and sequences 128-2048 at 2,048 tokens per batch: the sweep behind the attention chapter's
-    CPU rule (fp32 when seq_len x head_dim <= 16,384)."""
+    CPU rule (fp32 up to 256 positions when seq_len x head_dim <= 16,384)."""
     import torch.nn.functional as F
     timings = {}
     for head_dim, heads in [(32, 8), (64, 16), (128, 8)]:
