@@ -105,6 +105,14 @@ def test_unknown_component(tmp_path):
                           "1 problem(s)", "no argument 'lr_rate'", one_line=False)
 
 
+def test_accumulation_beyond_the_data_is_refused(tmp_path):
+    "tiny/lora has 60 batches an epoch: accumulating 1000 of them would run no optimizer step and save the base model."
+    result = tunelit("run", "lora_finetune_single_device", "--config", "tiny/lora", f"output_dir={tmp_path}",
+                     "gradient_accumulation_steps=1000")
+    assert_one_line_error(result, "no optimizer step per epoch", "60 batches", "Lower gradient_accumulation_steps")
+    assert not list(tmp_path.glob("epoch_*"))                 # nothing saved
+
+
 def test_single_device_recipe_refuses_torchrun():
     assert_one_line_error(tunelit("run", "--nproc_per_node", "2", "full_finetune_single_device", "--config", "tiny/full"),
                           "single device")

@@ -5,13 +5,13 @@
 # %% auto #0
 __all__ = ['RotaryPositionalEmbeddings', 'Llama3ScaledRoPE']
 
-# %% ../../nbs/11_position_embeddings.ipynb #c801f540
+# %% ../../nbs/11_position_embeddings.ipynb #ee74bc77
 from typing import Optional
 
 import torch
 from torch import nn
 
-# %% ../../nbs/11_position_embeddings.ipynb #ab5e417f
+# %% ../../nbs/11_position_embeddings.ipynb #95f38846
 class RotaryPositionalEmbeddings(nn.Module):
     """Rotary positional embeddings (RoFormer 2021) in Meta's interleaved-pair convention.
 
@@ -55,7 +55,7 @@ class RotaryPositionalEmbeddings(nn.Module):
         pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)).contiguous())  # [b, s, h, d/2]: x0 + i x1
         return torch.view_as_real(pairs * turn).flatten(3).type_as(x)
 
-# %% ../../nbs/11_position_embeddings.ipynb #07e01841
+# %% ../../nbs/11_position_embeddings.ipynb #8aa41b60
 class Llama3ScaledRoPE(RotaryPositionalEmbeddings):
     """RoPE with Llama 3.1's frequency scaling: low frequencies slowed by `scale_factor`, high ones kept,
     a smooth blend in between (see the formula above). Llama 3.1 uses scale_factor 8, Llama 3.2 uses 32."""

@@ -157,13 +157,7 @@ def train(cfg: DictConfig) -> list[dict]:
                         collate_fn=data.padded_collate_packed if packed else data.padded_collate_sft)
     optimizer = config.instantiate(cfg.optimizer, model.parameters())
     val_loader = validation_loader(cfg, tokenizer, rank, world_size)
-    accumulation = cfg.get("gradient_accumulation_steps", 1)
-    steps_per_epoch = len(loader) // accumulation
-    if cfg.get("max_steps_per_epoch"):
-        steps_per_epoch = min(steps_per_epoch, cfg.max_steps_per_epoch)
-    total_steps = cfg.epochs * steps_per_epoch
-    lr_scheduler = (config.instantiate(cfg.lr_scheduler, optimizer, num_training_steps=total_steps)
-                    if cfg.get("lr_scheduler") else None)
+    accumulation, steps_per_epoch, total_steps, lr_scheduler = training.training_schedule(cfg, len(loader), optimizer)
 
     start_epoch, skip, step, pending_rng = resume_sharded(cfg, model, optimizer, lr_scheduler, output_dir, rank)
     logger = training.JsonlLogger(output_dir) if rank == 0 else None

@@ -86,13 +86,7 @@ def train(cfg: DictConfig) -> list[dict]:
         report = training.preflight.preflight_report(cfg, model=model, tokenizer=tokenizer, dataset=loader.dataset)
         training.preflight.save_report(report, output_dir)
         print(training.preflight.format_report(report))
-    accumulation = cfg.get("gradient_accumulation_steps", 1)
-    steps_per_epoch = len(loader) // accumulation
-    if cfg.get("max_steps_per_epoch"):
-        steps_per_epoch = min(steps_per_epoch, cfg.max_steps_per_epoch)
-    total_steps = cfg.epochs * steps_per_epoch
-    lr_scheduler = (config.instantiate(cfg.lr_scheduler, optimizer, num_training_steps=total_steps)
-                    if cfg.get("lr_scheduler") else None)
+    accumulation, steps_per_epoch, total_steps, lr_scheduler = training.training_schedule(cfg, len(loader), optimizer)
 
     resumed = resume_state(cfg, model)
     start_epoch, skip, step, pending_rng = training.resume_position(resumed, optimizer, lr_scheduler, generator,

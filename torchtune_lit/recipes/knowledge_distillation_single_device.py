@@ -100,13 +100,7 @@ def train(cfg: DictConfig) -> dict:
     held_out = held_out_batches(cfg, tokenizer, device)
     val_loader = full_finetune.build_validation_loader(cfg, tokenizer)     # optional: the student's held-out CE
     optimizer = config.instantiate(cfg.optimizer, [p for p in student.parameters() if p.requires_grad])
-    accumulation = cfg.get("gradient_accumulation_steps", 1)
-    steps_per_epoch = len(loader) // accumulation
-    if cfg.get("max_steps_per_epoch"):
-        steps_per_epoch = min(steps_per_epoch, cfg.max_steps_per_epoch)
-    total_steps = cfg.epochs * steps_per_epoch
-    lr_scheduler = (config.instantiate(cfg.lr_scheduler, optimizer, num_training_steps=total_steps)
-                    if cfg.get("lr_scheduler") else None)
+    accumulation, steps_per_epoch, total_steps, lr_scheduler = training.training_schedule(cfg, len(loader), optimizer)
     kd_loss_fn = config.instantiate(cfg.kd_loss)
     if cfg.get("preflight", True):              # the student's data, tokenizer, checkpoint and memory (without the teacher)
         report = training.preflight.preflight_report(cfg, model=student, tokenizer=tokenizer, dataset=loader.dataset)

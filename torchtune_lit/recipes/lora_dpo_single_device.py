@@ -95,11 +95,8 @@ def train(cfg: DictConfig) -> list[dict]:
                                                      dataset=training.preflight.ChosenView(dataset))
         training.preflight.save_report(report, output_dir)
         print(training.preflight.format_report(report))
-    accumulation = cfg.get("gradient_accumulation_steps", 1)
-    steps_per_epoch = min(len(loader) // accumulation, cfg.get("max_steps_per_epoch") or len(loader))
-    total_steps, lora = cfg.epochs * steps_per_epoch, lora_recipe.adapter_config(cfg)
-    lr_scheduler = (config.instantiate(cfg.lr_scheduler, optimizer, num_training_steps=total_steps)
-                    if cfg.get("lr_scheduler") else None)
+    accumulation, steps_per_epoch, total_steps, lr_scheduler = training.training_schedule(cfg, len(loader), optimizer)
+    lora = lora_recipe.adapter_config(cfg)
     resumed = lora_recipe.resume_state(cfg, model)               # the LoRA recipe's: adapters + recipe state
     start_epoch, skip, step, pending_rng = training.resume_position(resumed, optimizer, lr_scheduler, generator,
                                                                     output_dir / "log.jsonl")

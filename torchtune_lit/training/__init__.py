@@ -9,8 +9,8 @@ __all__ = ['memory', 'OffloadActivations', 'compile_loss', 'compile_model', 'est
            'DTYPES', 'JsonlLogger', 'capture_rng_state', 'check_loss_is_finite', 'get_device', 'get_dtype',
            'latest_step_checkpoint', 'load_recipe_state', 'lr_schedulers', 'make_recipe_state',
            'prune_step_checkpoints', 'read_jsonl', 'restore_rng_state', 'restore_training_state', 'resume_position',
-           'setup_run', 'scale_grads', 'set_seed', 'shift_labels', 'summed_cross_entropy', 'train_step', 'truncate_log',
-           'validation_loss']
+           'setup_run', 'scale_grads', 'set_seed', 'shift_labels', 'summed_cross_entropy', 'train_step',
+           'training_schedule', 'truncate_log', 'validation_loss']
 
 # %% ../../nbs/59_training_map.ipynb #6f16c70e
 from . import lr_schedulers, memory, metric_logging, preflight
@@ -22,7 +22,7 @@ from ._utils import (DTYPES, JsonlLogger, capture_rng_state, check_loss_is_finit
                                            get_dtype, latest_step_checkpoint, load_recipe_state, make_recipe_state,
                                            prune_step_checkpoints, read_jsonl, restore_rng_state, restore_training_state, resume_position,
                                            scale_grads, set_seed, setup_run, shift_labels,
-                                           summed_cross_entropy, train_step, truncate_log, validation_loss)
+                                           summed_cross_entropy, train_step, training_schedule, truncate_log, validation_loss)
 from .checkpointing import CheckpointError, FullModelHFCheckpointer, load_model_state_dict
 
 _all_ = ["memory", "OffloadActivations", "compile_loss", "compile_model", "estimate_training_memory",
@@ -30,4 +30,4 @@ _all_ = ["memory", "OffloadActivations", "compile_loss", "compile_model", "estim
          "capture_rng_state", "check_loss_is_finite", "get_device", "get_dtype", "latest_step_checkpoint",
          "load_recipe_state", "lr_schedulers", "make_recipe_state", "prune_step_checkpoints", "read_jsonl",
          "restore_rng_state", "restore_training_state", "resume_position", "setup_run", "scale_grads", "set_seed",
-         "shift_labels", "summed_cross_entropy", "train_step", "truncate_log", "validation_loss"]
+         "shift_labels", "summed_cross_entropy", "train_step", "training_schedule", "truncate_log", "validation_loss"]

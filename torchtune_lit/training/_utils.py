@@ -4,11 +4,12 @@
 
 # %% auto #0
 __all__ = ['DTYPES', 'get_device', 'get_dtype', 'set_seed', 'scale_grads', 'check_loss_is_finite', 'setup_run', 'JsonlLogger',
-           'read_jsonl', 'capture_rng_state', 'restore_rng_state', 'latest_step_checkpoint', 'load_recipe_state',
-           'make_recipe_state', 'restore_training_state', 'resume_position', 'prune_step_checkpoints', 'truncate_log',
-           'shift_labels', 'summed_cross_entropy', 'train_step', 'validation_loss']
+           'read_jsonl', 'training_schedule', 'capture_rng_state', 'restore_rng_state', 'latest_step_checkpoint',
+           'load_recipe_state', 'make_recipe_state', 'restore_training_state', 'resume_position',
+           'prune_step_checkpoints', 'truncate_log', 'shift_labels', 'summed_cross_entropy', 'train_step',
+           'validation_loss']
 
-# %% ../../nbs/51_training_utils.ipynb #225eef38
+# %% ../../nbs/51_training_utils.ipynb #23bc6205
 import json
 import math
 import random
@@ -19,7 +20,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-# %% ../../nbs/51_training_utils.ipynb #7cae69c3
+# %% ../../nbs/51_training_utils.ipynb #93d43804
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -65,7 +66,7 @@ def check_loss_is_finite(loss: float, step: int) -> None:
         raise RuntimeError(f"loss is {loss} at step {step}: training diverged. Lower optimizer.lr, set "
                            "clip_grad_norm, use dtype=fp32, or check the data for empty or corrupt samples.")
 
-# %% ../../nbs/51_training_utils.ipynb #a7868ce9
+# %% ../../nbs/51_training_utils.ipynb #9a17e1c6
 def setup_run(cfg: Any) -> tuple[torch.device, torch.dtype, torch.Generator, Path]:
     "(device, dtype, data generator, output_dir) for a recipe config; writes output_dir/config.yaml."
     from omegaconf import OmegaConf
@@ -77,7 +78,7 @@ def setup_run(cfg: Any) -> tuple[torch.device, torch.dtype, torch.Generator, Pat
     OmegaConf.save(cfg, output_dir / "config.yaml")
     return device, dtype, generator, output_dir
 
-# %% ../../nbs/51_training_utils.ipynb #224eb080
+# %% ../../nbs/51_training_utils.ipynb #df4f2e20
 class JsonlLogger:
     "Append one JSON object per `log` call to `log_dir/filename`, flushed immediately."
 
@@ -98,7 +99,27 @@ def read_jsonl(path: Union[str, Path]) -> list[dict]:
     "The objects of a JSON-lines log."
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
-# %% ../../nbs/51_training_utils.ipynb #64c40ae5
+# %% ../../nbs/51_training_utils.ipynb #7664cb7e
+def training_schedule(cfg: Any, num_batches: int, optimizer: torch.optim.Optimizer) -> tuple[int, int, int, Any]:
+    """(gradient accumulation, optimizer steps per epoch, total steps, lr scheduler or None) for a recipe config and
+    a loader of `num_batches` batches per epoch (per rank when distributed)."""
+    import torchtune_lit.config as config
+    accumulation = cfg.get("gradient_accumulation_steps", 1)
+    if not isinstance(accumulation, int) or accumulation < 1:
+        raise ValueError(f"gradient_accumulation_steps must be a whole number >= 1, got {accumulation!r}.")
+    steps_per_epoch = num_batches // accumulation
+    if cfg.get("max_steps_per_epoch"):
+        steps_per_epoch = min(steps_per_epoch, cfg.max_steps_per_epoch)
+    if steps_per_epoch < 1:
+        raise ValueError(f"no optimizer step per epoch: {num_batches} batches, gradient_accumulation_steps={accumulation}, "
+                         f"max_steps_per_epoch={cfg.get('max_steps_per_epoch')}. Lower gradient_accumulation_steps or "
+                         "batch_size, or add data.")
+    total_steps = cfg.epochs * steps_per_epoch
+    lr_scheduler = (config.instantiate(cfg.lr_scheduler, optimizer, num_training_steps=total_steps)
+                    if cfg.get("lr_scheduler") else None)
+    return accumulation, steps_per_epoch, total_steps, lr_scheduler
+
+# %% ../../nbs/51_training_utils.ipynb #53c97cf8
 def capture_rng_state(epoch_generator_state: torch.Tensor) -> dict[str, Any]:
     "Python's and torch's random states now, and the data generator's state at the start of the current epoch."
     state = {"python": random.getstate(), "torch": torch.get_rng_state(), "generator": epoch_generator_state}
@@ -170,7 +191,7 @@ def truncate_log(path: Union[str, Path], last_step: int) -> None:
         kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= last_step]
         path.write_text("".join(line + "\n" for line in kept))
 
-# %% ../../nbs/51_training_utils.ipynb #891f284b
+# %% ../../nbs/51_training_utils.ipynb #7ae82995
 def shift_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
     "Labels for next-token prediction: labels[:, 1:] followed by one ignored position."
     return torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], ignore_index)], dim=1)
@@ -217,7 +238,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches
         metrics["grad_norm"] = grad_norm
     return metrics
 
-# %% ../../nbs/51_training_utils.ipynb #1636e431
+# %% ../../nbs/51_training_utils.ipynb #36b3604e
 @torch.no_grad()
 def validation_loss(model: nn.Module, loader: Any, device: torch.device, max_batches: Optional[int] = None) -> float:
     "Mean cross-entropy per trained token over (up to `max_batches` of) `loader`, in eval mode."

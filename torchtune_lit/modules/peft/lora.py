@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['LoRALinear']
 
-# %% ../../../nbs/70_lora.ipynb #58d5bcdb
+# %% ../../../nbs/70_lora.ipynb #459a5eb3
 import math
 from typing import Optional
 
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from ..low_precision.nf4 import NF4Tensor, linear_nf4, to_nf4
 
-# %% ../../../nbs/70_lora.ipynb #2b61ada4
+# %% ../../../nbs/70_lora.ipynb #77a3f261
 class _FrozenBaseLoRA(torch.autograd.Function):
     "y = x W^T (+ b) + s (x A^T) B^T with W (and b) frozen: one node, the additions fused into the matrix products."
 
@@ -43,7 +43,7 @@ class _FrozenBaseLoRA(torch.autograd.Function):
             grad_x = (grad @ weight).addmm_(grad_u, lora_a).view(ctx.input_shape)
         return grad_x, None, None, grad_a, grad_b, None
 
-# %% ../../../nbs/70_lora.ipynb #fc84500b
+# %% ../../../nbs/70_lora.ipynb #c0850a14
 class LoRALinear(nn.Module):
     """`W x (+ b) + (alpha / rank) * lora_b(lora_a(dropout(x)))` with `W` frozen by the recipe and `lora_b` initialised
     to zero. `quantize_base=True` stores `W` as torchao NF4 (QLoRA). `disabled=True` computes the base layer alone.
