@@ -24,9 +24,6 @@ suppress_warnings = ["mystnb.unknown_mime_type"]
 html_theme = "sphinx_book_theme"
 html_title = "torchtune_lit"
 html_theme_options = {
-    "repository_url": _cfg["git_url"],
-    "repository_branch": _cfg["branch"],
-    "use_repository_button": True,
     "show_toc_level": 2,
     "home_page_in_toc": True,
 }

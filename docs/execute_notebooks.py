@@ -5,6 +5,7 @@
 Uses the same executor as `nbdev_test` (execnb), so cells marked `#| eval: false` are skipped here too. Run it after
 editing a chapter, then `nbdev_clean`, so the committed notebook shows what its code computes.
 """
+import os
 import sys
 import time
 from pathlib import Path
@@ -13,6 +14,9 @@ from execnb.nbio import read_nb, write_nb
 from execnb.shell import CaptureShell
 
 ROOT = Path(__file__).resolve().parent.parent
+# Saved outputs are what a reader sees on the site: no progress bars (tqdm, and the Hugging Face libraries built on
+# it, read these switches). A reader who runs a chapter sees the bars as usual.
+os.environ.update(TQDM_DISABLE="1", HF_HUB_DISABLE_PROGRESS_BARS="1", HF_DATASETS_DISABLE_PROGRESS_BARS="1")
 
 
 def _skip(cell) -> bool:

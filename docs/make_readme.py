@@ -24,7 +24,6 @@ def readme_text() -> str:
     warnings.filterwarnings("ignore", message="Found cells containing imports and other code")
     proc = Path(proc_nbs(n_workers=0, file_glob="index.ipynb"))
     _, nb = adapt_notebook(proc / "index.ipynb")
-    nb["cells"][0]["source"] = nb["cells"][0]["source"].split("\n[Open in Colab]")[0]  # no Colab link on GitHub
     body, _ = MarkdownExporter().from_notebook_node(nbformat.reads(json.dumps(nb), as_version=4))
     return "<!-- Generated from nbs/index.ipynb by docs/make_readme.py: edit the notebook, not this file. -->\n\n" + body.strip() + "\n"
 

@@ -15,6 +15,9 @@ def test_chapter_opens_with_title_description_and_colab_cell(path):
     code = ["".join(c["source"]) for c in cells if c["cell_type"] == "code"]
     colab = [c for c in code if 'if "google.colab" in sys.modules:' in c]
     assert colab and colab[0].startswith("#| hide"), "a hidden cell that installs the package in Colab only"
+    badge = "".join(cells[1]["source"])
+    assert badge.startswith("[![Open In Colab]") and badge.endswith(f"/nbs/{path.name})"), \
+        "the second cell is the chapter's own Colab badge"
 
 
 def test_recipes_use_absolute_imports():

@@ -22,7 +22,10 @@ __all__ = ['PACKAGE_DIR', 'RECIPES_DIR', 'CONFIGS_DIR', 'Config', 'Recipe', 'get
 # %% ../nbs/02_recipe_registry.ipynb #ba04534b
 @dataclass(frozen=True)
 class Config:
-    "A built-in config: its short name ('tiny/full') and its file, relative to `recipes/configs/`."
+    """A built-in config: its short name ('tiny/full') and its file, relative to
+    `recipes/configs/`.
+    """
+
     name: str
     file_path: str
 
@@ -33,7 +36,10 @@ class Config:
 
 @dataclass(frozen=True)
 class Recipe:
-    "A built-in recipe: its name, its file relative to `recipes/`, its configs and whether torchrun may launch it."
+    """A built-in recipe: its name, its file relative to `recipes/`, its configs and
+    whether torchrun may launch it.
+    """
+
     name: str
     file_path: str
     configs: list[Config] = field(default_factory=list)
@@ -50,40 +56,52 @@ def get_all_recipes() -> list[Recipe]:
         Recipe(
             name="full_finetune_single_device",
             file_path="full_finetune_single_device.py",
-            configs=[Config(name="tiny/pretrain", file_path="tiny/pretrain.yaml"),
-                     Config(name="tiny/full", file_path="tiny/full.yaml"),
-                     Config(name="llama3_2/1B_full", file_path="llama3_2/1B_full.yaml")],
+            configs=[
+                Config(name="tiny/pretrain", file_path="tiny/pretrain.yaml"),
+                Config(name="tiny/full", file_path="tiny/full.yaml"),
+                Config(name="llama3_2/1B_full", file_path="llama3_2/1B_full.yaml"),
+            ],
             supports_distributed=False,
         ),
         Recipe(
             name="full_finetune_distributed",
             file_path="full_finetune_distributed.py",
-            configs=[Config(name="tiny/full_distributed", file_path="tiny/full_distributed.yaml"),
-                     Config(name="llama3_1/8B_full", file_path="llama3_1/8B_full.yaml")],
+            configs=[
+                Config(
+                    name="tiny/full_distributed", file_path="tiny/full_distributed.yaml"
+                ),
+                Config(name="llama3_1/8B_full", file_path="llama3_1/8B_full.yaml"),
+            ],
             supports_distributed=True,
         ),
         Recipe(
             name="lora_finetune_single_device",
             file_path="lora_finetune_single_device.py",
-            configs=[Config(name="tiny/lora", file_path="tiny/lora.yaml"),
-                     Config(name="tiny/dora", file_path="tiny/dora.yaml"),
-                     Config(name="tiny/qlora", file_path="tiny/qlora.yaml"),
-                     Config(name="llama3_2/1B_lora", file_path="llama3_2/1B_lora.yaml"),
-                     Config(name="llama3_2/1B_qlora", file_path="llama3_2/1B_qlora.yaml"),
-                     Config(name="llama3_2/3B_lora", file_path="llama3_2/3B_lora.yaml"),
-                     Config(name="llama3_1/8B_lora", file_path="llama3_1/8B_lora.yaml"),
-                     Config(name="llama3_1/8B_qlora", file_path="llama3_1/8B_qlora.yaml"),
-                     Config(name="qwen2_5/0.5B_lora", file_path="qwen2_5/0.5B_lora.yaml"),
-                     Config(name="qwen2_5/1.5B_lora", file_path="qwen2_5/1.5B_lora.yaml"),
-                     Config(name="qwen2_5/7B_lora", file_path="qwen2_5/7B_lora.yaml"),
-                     Config(name="gemma2/2B_lora", file_path="gemma2/2B_lora.yaml"),
-                     Config(name="mistral/7B_lora", file_path="mistral/7B_lora.yaml")],
+            configs=[
+                Config(name="tiny/lora", file_path="tiny/lora.yaml"),
+                Config(name="tiny/dora", file_path="tiny/dora.yaml"),
+                Config(name="tiny/qlora", file_path="tiny/qlora.yaml"),
+                Config(name="llama3_2/1B_lora", file_path="llama3_2/1B_lora.yaml"),
+                Config(name="llama3_2/1B_qlora", file_path="llama3_2/1B_qlora.yaml"),
+                Config(name="llama3_2/3B_lora", file_path="llama3_2/3B_lora.yaml"),
+                Config(name="llama3_1/8B_lora", file_path="llama3_1/8B_lora.yaml"),
+                Config(name="llama3_1/8B_qlora", file_path="llama3_1/8B_qlora.yaml"),
+                Config(name="qwen2_5/0.5B_lora", file_path="qwen2_5/0.5B_lora.yaml"),
+                Config(name="qwen2_5/1.5B_lora", file_path="qwen2_5/1.5B_lora.yaml"),
+                Config(name="qwen2_5/7B_lora", file_path="qwen2_5/7B_lora.yaml"),
+                Config(name="gemma2/2B_lora", file_path="gemma2/2B_lora.yaml"),
+                Config(name="mistral/7B_lora", file_path="mistral/7B_lora.yaml"),
+            ],
             supports_distributed=False,
         ),
         Recipe(
             name="lora_finetune_distributed",
             file_path="lora_finetune_distributed.py",
-            configs=[Config(name="tiny/lora_distributed", file_path="tiny/lora_distributed.yaml")],
+            configs=[
+                Config(
+                    name="tiny/lora_distributed", file_path="tiny/lora_distributed.yaml"
+                )
+            ],
             supports_distributed=True,
         ),
         Recipe(
@@ -107,7 +125,9 @@ def get_all_recipes() -> list[Recipe]:
         Recipe(
             name="eleuther_eval",
             file_path="eleuther_eval.py",
-            configs=[Config(name="tiny/eleuther_eval", file_path="tiny/eleuther_eval.yaml")],
+            configs=[
+                Config(name="tiny/eleuther_eval", file_path="tiny/eleuther_eval.yaml")
+            ],
             supports_distributed=False,
         ),
         Recipe(
@@ -126,7 +146,9 @@ def get_all_recipes() -> list[Recipe]:
 
 # %% ../nbs/02_recipe_registry.ipynb #8be30c3e
 class RegistryError(ValueError):
-    "An unknown recipe or config name; the message lists the closest names and how to see all of them."
+    """An unknown recipe or config name; the message lists the closest names and how to
+    see all of them.
+    """
 
 
 def _hint(name: str, names: list[str]) -> str:
@@ -159,8 +181,11 @@ def resolve_recipe_path(name_or_path: str) -> Path:
             return path
         raise RegistryError(f"Recipe file {str(path)!r} does not exist.")
     names = [r.name for r in get_all_recipes()]
-    raise RegistryError(f"Unknown recipe {name_or_path!r}.{_hint(name_or_path, names)} "
-                        "Run 'tunelit ls' to see the built-in recipes, or pass a path to a .py file.")
+    raise RegistryError(
+        "Unknown recipe "
+        f"{name_or_path!r}.{_hint(name_or_path, names)} Run 'tunelit ls' to see the "
+        "built-in recipes, or pass a path to a .py file."
+    )
 
 
 def resolve_config_path(name_or_path: str) -> Path:
@@ -174,5 +199,8 @@ def resolve_config_path(name_or_path: str) -> Path:
     if path.suffix in (".yaml", ".yml"):
         raise RegistryError(f"Config file {str(path)!r} does not exist.")
     names = [c.name for r in get_all_recipes() for c in r.configs]
-    raise RegistryError(f"Unknown config {name_or_path!r}: it is neither a built-in config name nor a file."
-                        f"{_hint(name_or_path, names)} Run 'tunelit ls' to see the built-in configs.")
+    raise RegistryError(
+        f"Unknown config {name_or_path!r}: it is neither a built-in "
+        f"config name nor a file.{_hint(name_or_path, names)} Run 'tunelit ls' to "
+        "see the built-in configs."
+    )

@@ -22,18 +22,28 @@ __all__ = ['ConfigError', 'get_component', 'instantiate', 'apply_overrides', 'lo
 
 # %% ../nbs/01_config.ipynb #1443b661
 class ConfigError(ValueError):
-    "A config that cannot be read, overridden, validated or instantiated. The message names the key and the fix."
+    """A config that cannot be read, overridden, validated or instantiated. The message
+    names the key and the fix.
+    """
 
 # %% ../nbs/01_config.ipynb #04bfe618
 def _closest(name: str, candidates, n: int = 3) -> str:
-    "A ' Did you mean ...?' hint listing the closest public candidate names (case-insensitive), or ''."
+    """A ' Did you mean ...?' hint listing the closest public candidate names
+    (case-insensitive), or ''.
+    """
     by_lower = {c.lower(): c for c in candidates if not c.startswith("_")}
     matches = difflib.get_close_matches(name.lower(), list(by_lower), n=n, cutoff=0.6)
-    return f" Did you mean {' or '.join(repr(by_lower[m]) for m in matches)}?" if matches else ""
+    return (
+        f" Did you mean {' or '.join(repr(by_lower[m]) for m in matches)}?"
+        if matches
+        else ""
+    )
 
 
 def _import_longest_prefix(parts: list[str], path: str, key: str):
-    "Import the longest module prefix of `parts`; return (module, number of parts used)."
+    """Import the longest module prefix of `parts`; return (module, number of parts
+    used).
+    """
     for i in range(len(parts), 0, -1):
         name = ".".join(parts[:i])
         try:
@@ -42,46 +52,88 @@ def _import_longest_prefix(parts: list[str], path: str, key: str):
             missing = e.name or ""
             if name == missing or name.startswith(missing + "."):
                 continue  # this prefix is not a module: try a shorter one
-            raise ConfigError(f"{key}._component_ = {path!r}: importing {name!r} failed because it needs "
-                              f"the package {missing!r}, which is not installed. Install it (pip install {missing.split('.')[0]}).") from e
+            raise ConfigError(
+                f"{key}._component_ = {path!r}: importing {name!r} "
+                f"failed because it needs the package {missing!r}, which is not "
+                f"installed. Install it (pip install {missing.split('.')[0]})."
+            ) from e
         except Exception as e:
-            raise ConfigError(f"{key}._component_ = {path!r}: importing {name!r} raised {type(e).__name__}: {e}") from e
+            raise ConfigError(
+                f"{key}._component_ = {path!r}: importing {name!r} "
+                f"raised {type(e).__name__}: {e}"
+            ) from e
     top = [m.name for m in __import__("pkgutil").iter_modules()]
-    raise ConfigError(f"{key}._component_ = {path!r}: there is no module named {parts[0]!r}.{_closest(parts[0], top)} "
-                      "A component is a full dotted path such as 'torch.optim.AdamW'.")
+    raise ConfigError(
+        f"{key}._component_ = {path!r}: there is no module named "
+        f"{parts[0]!r}.{_closest(parts[0], top)} A component is a full dotted path "
+        "such as 'torch.optim.AdamW'."
+    )
 
 
 def get_component(path: str, key: str = "<config>") -> Callable:
-    "The object that the dotted `path` names (e.g. 'torch.optim.AdamW'); `key` is the config key, used in errors."
-    if not isinstance(path, str) or not path or path.startswith(".") or path.endswith("."):
-        raise ConfigError(f"{key}._component_ must be a dotted path such as 'torch.optim.AdamW', got {path!r}.")
+    """The object that the dotted `path` names (e.g. 'torch.optim.AdamW'); `key` is the
+    config key, used in errors.
+    """
+    if (
+        not isinstance(path, str)
+        or not path
+        or path.startswith(".")
+        or path.endswith(".")
+    ):
+        raise ConfigError(
+            f"{key}._component_ must be a dotted path such as "
+            f"'torch.optim.AdamW', got {path!r}."
+        )
     parts = path.split(".")
     obj, used = _import_longest_prefix(parts, path, key)
     for i in range(used, len(parts)):
         attr = parts[i]
         if not hasattr(obj, attr):
             where = ".".join(parts[:i])
-            raise ConfigError(f"{key}._component_ = {path!r}: {where!r} has no attribute {attr!r}.{_closest(attr, dir(obj))}")
+            raise ConfigError(
+                f"{key}._component_ = {path!r}: {where!r} has no "
+                f"attribute {attr!r}.{_closest(attr, dir(obj))}"
+            )
         obj = getattr(obj, attr)
     if not callable(obj):
-        raise ConfigError(f"{key}._component_ = {path!r} names a {type(obj).__name__}, not something that can be called.")
+        raise ConfigError(
+            f"{key}._component_ = {path!r} names a "
+            f"{type(obj).__name__}, not something that can be called."
+        )
     return obj
 
 # %% ../nbs/01_config.ipynb #f31d6440
-def _check_arguments(target: Callable, args: tuple, kwargs: dict, key: str, path: str, partial: bool = False) -> None:
-    "Raise ConfigError if `args`/`kwargs` do not bind to `target`'s signature (unknown or missing arguments)."
+def _check_arguments(
+    target: Callable,
+    args: tuple,
+    kwargs: dict,
+    key: str,
+    path: str,
+    partial: bool = False,
+) -> None:
+    """Raise ConfigError if `args`/`kwargs` do not bind to `target`'s signature (unknown
+    or missing arguments).
+    """
     try:
         sig = inspect.signature(target)
     except (TypeError, ValueError):
-        return  # some builtins have no introspectable signature; the call itself will check
+        # some builtins have no introspectable signature; the call itself will check
+        return
     params = sig.parameters
     takes_var_kwargs = any(p.kind is p.VAR_KEYWORD for p in params.values())
     if not takes_var_kwargs:
-        names = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        names = [
+            n
+            for n, p in params.items()
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        ]
         for name in kwargs:
             if name not in params:
-                raise ConfigError(f"{key}: {path} has no argument {name!r}.{_closest(name, names)} "
-                                  f"Its arguments are: {', '.join(names)}.")
+                raise ConfigError(
+                    f"{key}: {path} has no argument "
+                    f"{name!r}.{_closest(name, names)} Its arguments are: "
+                    f"{', '.join(names)}."
+                )
     try:
         (sig.bind_partial if partial else sig.bind)(*args, **kwargs)
     except TypeError as e:
@@ -89,17 +141,24 @@ def _check_arguments(target: Callable, args: tuple, kwargs: dict, key: str, path
 
 # %% ../nbs/01_config.ipynb #7df7bd7e
 def _to_container(node: Any, key: str) -> Any:
-    "Plain Python containers from an OmegaConf node, with interpolations resolved; errors name the key."
+    """Plain Python containers from an OmegaConf node, with interpolations resolved;
+    errors name the key.
+    """
     if isinstance(node, (DictConfig, ListConfig)):
         try:
             return OmegaConf.to_container(node, resolve=True)
         except OmegaConfBaseException as e:
-            raise ConfigError(f"{key}: could not resolve an interpolation: {e}. Check the ${{...}} references.") from e
+            raise ConfigError(
+                f"{key}: could not resolve an interpolation: {e}. "
+                f"Check the ${{...}} references."
+            ) from e
     return node
 
 
 def _build(value: Any, key: str) -> Any:
-    "Build nested components inside `value` (dicts with `_component_`), depth first; leave other values as they are."
+    """Build nested components inside `value` (dicts with `_component_`), depth first;
+    leave other values as they are.
+    """
     if isinstance(value, dict):
         if "_component_" in value:
             return _instantiate_dict(value, key)
@@ -122,28 +181,37 @@ def _instantiate_dict(node: dict, key: str, args: tuple = ()) -> Any:
 
 
 def instantiate(config: DictConfig | dict | None, *args: Any, **kwargs: Any) -> Any:
-    """Build the object that `config._component_` names, with the config's other keys as keyword arguments.
+    """Build the object that `config._component_` names, with the config's other keys as
+    keyword arguments.
 
-    Nested nodes that have their own `_component_` are built first. `args` are passed positionally and `kwargs`
-    override keys of the config (the config itself is not modified). `None` gives `None`, so optional components
-    can be left out of a config."""
+    Nested nodes that have their own `_component_` are built first. `args` are passed
+    positionally and `kwargs` override keys of the config (the config itself is not
+    modified). `None` gives `None`, so optional components can be left out of a config.
+    """
     if config is None:
         return None
     key = _key_of(config)
     if isinstance(config, dict):
         config = OmegaConf.create(config)
     if not isinstance(config, DictConfig):
-        raise ConfigError(f"{key}: instantiate needs a mapping with a '_component_' key, got {type(config).__name__}.")
+        raise ConfigError(
+            f"{key}: instantiate needs a mapping with a '_component_' "
+            f"key, got {type(config).__name__}."
+        )
     node = _to_container(config, key)
     if "_component_" not in node:
-        raise ConfigError(f"{key}: this node has no '_component_' key, so there is nothing to build. "
-                          f"Its keys are: {', '.join(node) or '(none)'}.")
+        raise ConfigError(
+            f"{key}: this node has no '_component_' key, so there is "
+            f"nothing to build. Its keys are: {', '.join(node) or '(none)'}."
+        )
     node.update(kwargs)
     return _instantiate_dict(node, key, args)
 
 
 def _key_of(node: Any) -> str:
-    "The dotted key of an OmegaConf node inside its parent config (for messages), or '<config>'."
+    """The dotted key of an OmegaConf node inside its parent config (for messages), or
+    '<config>'.
+    """
     if isinstance(node, (DictConfig, ListConfig)):
         try:
             full = node._get_full_key(None)
@@ -155,14 +223,20 @@ def _key_of(node: Any) -> str:
 
 # %% ../nbs/01_config.ipynb #d2f4c1ba
 def _parse_value(text: str) -> Any:
-    "A command-line override value read as YAML ('4' -> 4, 'null' -> None, '[1, 2]' -> list, '1e-4' -> 0.0001)."
+    """A command-line override value read as YAML ('4' -> 4, 'null' -> None, '[1, 2]' ->
+    list, '1e-4' -> 0.0001).
+    """
     if text == "":
         return ""
     try:
         value = yaml.safe_load(text)
     except yaml.YAMLError:
         return text  # not YAML: keep it as the literal string the user typed
-    if isinstance(value, str) and any(c in value for c in "eE") and value.lower() not in ("inf", "nan"):
+    if (
+        isinstance(value, str)
+        and any(c in value for c in "eE")
+        and value.lower() not in ("inf", "nan")
+    ):
         try:
             return float(value)
         except ValueError:
@@ -170,8 +244,10 @@ def _parse_value(text: str) -> Any:
     return value
 
 
-_OVERRIDE_HELP = ("Overrides look like 'batch_size=4', 'optimizer.lr=1e-4', 'tokenizer.max_seq_len=null' "
-                  "or '~key' to delete a key.")
+_OVERRIDE_HELP = (
+    "Overrides look like 'batch_size=4', 'optimizer.lr=1e-4', "
+    "'tokenizer.max_seq_len=null' or '~key' to delete a key."
+)
 
 
 def _parse_override(text: str) -> tuple[str, str, Any]:
@@ -179,22 +255,31 @@ def _parse_override(text: str) -> tuple[str, str, Any]:
     if text.startswith("~"):
         key = text[1:]
         if not key or "=" in key or not _valid_key(key):
-            raise ConfigError(f"Bad override {text!r}: '~' must be followed by a key only, e.g. '~profiler'. {_OVERRIDE_HELP}")
+            raise ConfigError(
+                f"Bad override {text!r}: '~' must be followed by a key "
+                f"only, e.g. '~profiler'. {_OVERRIDE_HELP}"
+            )
         return "delete", key, None
     if "=" not in text:
         raise ConfigError(f"Bad override {text!r}: it has no '='. {_OVERRIDE_HELP}")
     key, value = text.split("=", 1)
     if not _valid_key(key):
-        raise ConfigError(f"Bad override {text!r}: {key!r} is not a dotted key. {_OVERRIDE_HELP}")
+        raise ConfigError(
+            f"Bad override {text!r}: {key!r} is not a dotted key. {_OVERRIDE_HELP}"
+        )
     return "set", key, _parse_value(value)
 
 
 def _valid_key(key: str) -> bool:
-    return bool(key) and all(part.isidentifier() or part.isdigit() for part in key.split("."))
+    return bool(key) and all(
+        part.isidentifier() or part.isdigit() for part in key.split(".")
+    )
 
 # %% ../nbs/01_config.ipynb #463dff0e
 def apply_overrides(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
-    "A copy of `cfg` with command-line `overrides` applied in order (see the table above)."
+    """A copy of `cfg` with command-line `overrides` applied in order (see the table
+    above).
+    """
     cfg = cfg.copy()
     for text in overrides:
         action, key, value = _parse_override(text)
@@ -202,8 +287,13 @@ def apply_overrides(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
             _delete_key(cfg, key, text)
             continue
         current = OmegaConf.select(cfg, key, default=None, throw_on_missing=False)
-        if isinstance(current, DictConfig) and "_component_" in current and isinstance(value, str):
-            key, value = f"{key}._component_", value  # 'model=pkg.builder' swaps only the component
+        if (
+            isinstance(current, DictConfig)
+            and "_component_" in current
+            and isinstance(value, str)
+        ):
+            # 'model=pkg.builder' swaps only the component
+            key, value = f"{key}._component_", value
         try:
             OmegaConf.update(cfg, key, value, merge=False, force_add=True)
         except OmegaConfBaseException as e:
@@ -216,33 +306,48 @@ def _delete_key(cfg: DictConfig, key: str, text: str) -> None:
     parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
     if not isinstance(parent, DictConfig) or leaf not in parent:
         siblings = list(parent.keys()) if isinstance(parent, DictConfig) else []
-        raise ConfigError(f"Override {text!r}: there is no key {key!r} to delete.{_closest(leaf, siblings)}")
+        raise ConfigError(
+            f"Override {text!r}: there is no key {key!r} to "
+            f"delete.{_closest(leaf, siblings)}"
+        )
     del parent[leaf]
 
 # %% ../nbs/01_config.ipynb #c64fcdf0
 def load_config(config: str | Path, overrides: Sequence[str] = ()) -> DictConfig:
-    """Read the YAML file `config` (a path, or a built-in name such as 'tiny/full') and apply `overrides`.
+    """Read the YAML file `config` (a path, or a built-in name such as 'tiny/full') and
+    apply `overrides`.
 
-    Interpolations are checked here, so a broken `${...}` reference fails before the run starts.
-    `${asset:NAME}` gives the path of a file shipped with the package (the tiny world's data)."""
+    Interpolations are checked here, so a broken `${...}` reference fails before the run
+    starts. `${asset:NAME}` gives the path of a file shipped with the package (the tiny
+    world's data).
+    """
     path = _config_path(config)
     try:
         cfg = OmegaConf.load(path)
     except yaml.YAMLError as e:
         raise ConfigError(f"{path} is not valid YAML: {e}") from e
     if not isinstance(cfg, DictConfig):
-        raise ConfigError(f"{path} must hold a mapping of keys to values at the top level, not a {type(cfg).__name__}.")
+        raise ConfigError(
+            f"{path} must hold a mapping of keys to values at the top "
+            f"level, not a {type(cfg).__name__}."
+        )
     cfg = apply_overrides(cfg, overrides)
     _to_container(cfg, str(path))  # resolves every interpolation once, to fail early
     return cfg
 
 
 def _asset_path(relative: str) -> str:
-    "Absolute path of a file shipped in the package's `assets/` folder: the `${asset:tiny/corpus.txt}` resolver."
+    """Absolute path of a file shipped in the package's `assets/` folder: the
+    `${asset:tiny/corpus.txt}` resolver.
+    """
     import torchtune_lit
+
     path = Path(torchtune_lit.__file__).resolve().parent / "assets" / relative
     if not path.exists():
-        raise ConfigError(f"${{asset:{relative}}}: there is no shipped asset {relative!r} (looked in {path.parent}).")
+        raise ConfigError(
+            f"${{asset:{relative}}}: there is no shipped asset "
+            f"{relative!r} (looked in {path.parent})."
+        )
     return str(path)
 
 
@@ -254,7 +359,9 @@ def _config_path(config: str | Path) -> Path:
     path = Path(config)
     if path.is_file():
         return path
-    from torchtune_lit._recipe_registry import RegistryError, resolve_config_path  # a leaf module of plain data
+    # a leaf module of plain data
+    from torchtune_lit._recipe_registry import RegistryError, resolve_config_path
+
     try:
         return resolve_config_path(str(config))
     except RegistryError as e:
@@ -262,34 +369,48 @@ def _config_path(config: str | Path) -> Path:
 
 # %% ../nbs/01_config.ipynb #bc0a59f6
 def parse_cli_args(argv: Sequence[str]) -> tuple[str, list[str]]:
-    "Split recipe arguments into the config (from '--config X' or '--config=X') and the list of overrides."
+    """Split recipe arguments into the config (from '--config X' or '--config=X') and
+    the list of overrides.
+    """
     argv, config, overrides, i = list(argv), None, [], 0
     while i < len(argv):
         arg = argv[i]
         if arg == "--config":
             if i + 1 >= len(argv):
-                raise ConfigError("'--config' needs a value: a config file path or a built-in name such as 'tiny/full'.")
+                raise ConfigError(
+                    "'--config' needs a value: a config file path or a "
+                    "built-in name such as 'tiny/full'."
+                )
             config, i = argv[i + 1], i + 2
             continue
         if arg.startswith("--config="):
             config = arg.split("=", 1)[1]
         elif arg.startswith("--"):
-            raise ConfigError(f"Unknown option {arg!r}. Recipes take '--config NAME_OR_PATH' followed by overrides "
-                              f"such as 'batch_size=4'.")
+            raise ConfigError(
+                f"Unknown option {arg!r}. Recipes take '--config "
+                "NAME_OR_PATH' followed by overrides such as 'batch_size=4'."
+            )
         else:
             overrides.append(arg)
         i += 1
     if config is None:
-        raise ConfigError("No config given: pass '--config NAME_OR_PATH' (see 'tunelit ls' for the built-in ones).")
+        raise ConfigError(
+            "No config given: pass '--config NAME_OR_PATH' (see "
+            "'tunelit ls' for the built-in ones)."
+        )
     return config, overrides
 
 
 def parse(recipe_main: Callable[[DictConfig], Any]) -> Callable[..., Any]:
-    "Decorator for a recipe's `main(cfg)`: build `cfg` from '--config X' and overrides in `argv` (default sys.argv)."
+    """Decorator for a recipe's `main(cfg)`: build `cfg` from '--config X' and overrides
+    in `argv` (default sys.argv).
+    """
+
     @functools.wraps(recipe_main)
     def wrapper(argv: Sequence[str] | None = None) -> Any:
         config, overrides = parse_cli_args(sys.argv[1:] if argv is None else argv)
         return recipe_main(load_config(config, overrides))
+
     return wrapper
 
 # %% ../nbs/01_config.ipynb #84e80c9e
@@ -308,19 +429,27 @@ def _validate_node(node: Any, key: str, errors: list[str]) -> None:
     try:
         target = get_component(node["_component_"], key or "<config>")
         kwargs = {k: v for k, v in node.items() if k != "_component_"}
-        _check_arguments(target, (), kwargs, key or "<config>", node["_component_"], partial=True)
+        _check_arguments(
+            target, (), kwargs, key or "<config>", node["_component_"], partial=True
+        )
     except ConfigError as e:
         errors.append(str(e))
 
 
 def validate(cfg: DictConfig | dict) -> None:
-    """Check that every `_component_` in `cfg` resolves and that its arguments bind to its signature.
+    """Check that every `_component_` in `cfg` resolves and that its arguments bind to
+    its signature.
 
-    Nothing is built. Raises one ConfigError listing every problem found; returns None when the config is sound."""
+    Nothing is built. Raises one ConfigError listing every problem found; returns None
+    when the config is sound.
+    """
     if isinstance(cfg, dict):
         cfg = OmegaConf.create(cfg)
     node = _to_container(cfg, "<config>")
     errors: list[str] = []
     _validate_node(node, "", errors)
     if errors:
-        raise ConfigError(f"{len(errors)} problem(s) in the config:\n" + "\n".join(f"  - {e}" for e in errors))
+        raise ConfigError(
+            f"{len(errors)} problem(s) in the config:\n"
+            + "\n".join(f"  - {e}" for e in errors)
+        )

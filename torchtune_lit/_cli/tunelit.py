@@ -19,8 +19,14 @@ from typing import Sequence
 from omegaconf import OmegaConf
 
 from .. import config as _config
-from .._recipe_registry import (RegistryError, find_config, find_recipe, get_all_recipes,
-                                            resolve_config_path, resolve_recipe_path)
+from torchtune_lit._recipe_registry import (
+    RegistryError,
+    find_config,
+    find_recipe,
+    get_all_recipes,
+    resolve_config_path,
+    resolve_recipe_path,
+)
 
 # %% auto #0
 __all__ = ['TORCHRUN_FLAGS', 'SANITY_OVERRIDES', 'EXPECTED_ERRORS', 'cmd_ls', 'cmd_cp', 'cmd_validate', 'cmd_cat',
@@ -44,7 +50,9 @@ def cmd_cp(args: argparse.Namespace) -> int:
     recipe, found = find_recipe(args.name), find_config(args.name)
     if recipe is None and found is None:
         # resolve_* raise the error with the closest names
-        resolve_config_path(args.name) if "/" in args.name else resolve_recipe_path(args.name)
+        resolve_config_path(args.name) if "/" in args.name else resolve_recipe_path(
+            args.name
+        )
     source = recipe.path if recipe is not None else found[0].path
     dest = Path(args.destination)
     if dest.is_dir():
@@ -55,7 +63,10 @@ def cmd_cp(args: argparse.Namespace) -> int:
         raise FileExistsError(f"{dest} already exists; pass --force to overwrite it.")
     if not dest.parent.exists():
         if not args.make_parents:
-            raise FileNotFoundError(f"the folder {dest.parent} does not exist; pass --make-parents to create it.")
+            raise FileNotFoundError(
+                f"the folder {dest.parent} does not exist; pass "
+                "--make-parents to create it."
+            )
         dest.parent.mkdir(parents=True)
     shutil.copyfile(source, dest)
     print(f"Copied {args.name} to {dest}")
@@ -63,7 +74,9 @@ def cmd_cp(args: argparse.Namespace) -> int:
 
 # %% ../../nbs/03_cli.ipynb #2f36708b
 def cmd_validate(args: argparse.Namespace) -> int:
-    "Load the config with overrides, check every component and its arguments, and say so."
+    """Load the config with overrides, check every component and its arguments, and say
+    so.
+    """
     cfg = _config.load_config(args.config, args.overrides)
     _config.validate(cfg)
     print("Config is well-formed!")
@@ -71,15 +84,20 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_cat(args: argparse.Namespace) -> int:
-    "Print the config with overrides applied (interpolations left as written unless --resolve)."
+    """Print the config with overrides applied (interpolations left as written unless
+    --resolve).
+    """
     cfg = _config.load_config(args.config, args.overrides)
     print(OmegaConf.to_yaml(cfg, resolve=args.resolve), end="")
     return 0
 
 # %% ../../nbs/03_cli.ipynb #cb67839b
 def cmd_preflight(args: argparse.Namespace) -> int:
-    "Print the preflight report of a fine-tuning config (and save it in its output_dir)."
+    """Print the preflight report of a fine-tuning config (and save it in its
+    output_dir).
+    """
     from torchtune_lit.training import preflight
+
     cfg = _config.load_config(args.config, args.overrides)
     _config.validate(cfg)
     report = preflight.preflight_report(cfg)
@@ -107,30 +125,57 @@ def split_run_args(argv: Sequence[str]) -> tuple[list[str], str, list[str]]:
         else:
             raise _config.ConfigError(f"the launcher option {arg!r} needs a value.")
     if i >= len(argv):
-        raise _config.ConfigError("no recipe given: 'tunelit run RECIPE --config CONFIG [key=value ...]' "
-                                  "(see 'tunelit ls').")
-    return launcher, argv[i], argv[i + 1:]
+        raise _config.ConfigError(
+            "no recipe given: 'tunelit run RECIPE --config "
+            "CONFIG [key=value ...]' (see 'tunelit ls')."
+        )
+    return launcher, argv[i], argv[i + 1 :]
 
 
 def _resolve_recipe_args(recipe_args: list[str]) -> list[str]:
-    "Recipe arguments with the config name turned into a file path (so torchrun workers get a path)."
+    """Recipe arguments with the config name turned into a file path (so torchrun
+    workers get a path).
+    """
     config, overrides = _config.parse_cli_args(recipe_args)
     path = Path(config) if Path(config).is_file() else resolve_config_path(config)
     return ["--config", str(path), *overrides]
 
 
-SANITY_OVERRIDES = ["sanity_check=8", "batch_size=8", "epochs=40", "max_steps_per_epoch=null", "gradient_accumulation_steps=1",
-                    "lr_scheduler=null", "save_every_n_steps=null", "resume_from_checkpoint=false", "preflight=false"]
+SANITY_OVERRIDES = [
+    "sanity_check=8",
+    "batch_size=8",
+    "epochs=40",
+    "max_steps_per_epoch=null",
+    "gradient_accumulation_steps=1",
+    "lr_scheduler=null",
+    "save_every_n_steps=null",
+    "resume_from_checkpoint=false",
+    "preflight=false",
+]
 
 
 def sanity_verdict(log_path: Path) -> tuple[bool, str]:
-    "Did the loss on the handful of samples go near zero? (last loss below 10% of the first, or below 0.1)."
-    losses = [json.loads(line)["loss"] for line in log_path.read_text().splitlines() if line.strip()]
+    """Did the loss on the handful of samples go near zero? (last loss below 10% of the
+    first, or below 0.1).
+    """
+    losses = [
+        json.loads(line)["loss"]
+        for line in log_path.read_text().splitlines()
+        if line.strip()
+    ]
     first, last = losses[0], losses[-1]
     ok = last < max(0.1, 0.1 * first)
-    verdict = (f"sanity check: loss {first:.3f} -> {last:.3f} in {len(losses)} steps on 8 samples: "
-               + ("the pipeline can learn." if ok else "it did NOT go near zero: check the prompt masking "
-                  "(train_on_input), the learning rate, that the checkpoint loaded, and which parameters train."))
+    verdict = (
+        f"sanity check: loss {first:.3f} -> {last:.3f} in {len(losses)} steps "
+        "on 8 samples: "
+        + (
+            "the pipeline can learn."
+            if ok
+            else "it did NOT go near zero: "
+            "check the prompt masking (train_on_input), the learning rate, "
+            "that the checkpoint loaded, and which parameters train."
+        )
+    )
     return ok, verdict
 
 
@@ -138,7 +183,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     "Run a recipe in this process, or under torchrun when launcher options are given."
     run_args = list(args.run_args)
     sanity = "--sanity" in run_args
-    if sanity:   # overfit a handful of examples first: the seeds' advice as one flag
+    if sanity:  # overfit a handful of examples first: the seeds' advice as one flag
         run_args.remove("--sanity")
         sanity_dir = Path(tempfile.mkdtemp(prefix="tunelit_sanity_"))
         run_args += [*SANITY_OVERRIDES, f"output_dir={sanity_dir}"]
@@ -150,9 +195,19 @@ def cmd_run(args: argparse.Namespace) -> int:
         if recipe is not None and not recipe.supports_distributed:
             sibling = recipe.name.replace("single_device", "distributed")
             hint = f" Use '{sibling}'." if find_recipe(sibling) else ""
-            raise _config.ConfigError(f"recipe {recipe.name!r} runs on a single device and cannot be launched "
-                                      f"with torchrun options {' '.join(launcher)}.{hint}")
-        command = [sys.executable, "-m", "torch.distributed.run", *launcher, str(recipe_path), *recipe_args]
+            raise _config.ConfigError(
+                f"recipe {recipe.name!r} runs on a single "
+                "device and cannot be launched with torchrun options "
+                f"{' '.join(launcher)}.{hint}"
+            )
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            *launcher,
+            str(recipe_path),
+            *recipe_args,
+        ]
         return subprocess.run(command).returncode
     saved_argv = sys.argv
     sys.argv = [str(recipe_path), *recipe_args]
@@ -173,69 +228,142 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_download(args: argparse.Namespace) -> int:
     "Download a Hub repository into `--output-dir` (default /tmp/<name>)."
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
-                                        RepositoryNotFoundError)
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+    )
+
     output_dir = Path(args.output_dir or Path("/tmp") / args.repo_id.split("/")[-1])
     token = args.hf_token or os.environ.get("HF_TOKEN")
     try:
-        path = snapshot_download(args.repo_id, local_dir=output_dir, allow_patterns=args.allow_patterns,
-                                 ignore_patterns=args.ignore_patterns, token=token)
+        path = snapshot_download(
+            args.repo_id,
+            local_dir=output_dir,
+            allow_patterns=args.allow_patterns,
+            ignore_patterns=args.ignore_patterns,
+            token=token,
+        )
     except GatedRepoError:
-        raise PermissionError(f"{args.repo_id} is gated: accept its licence on the Hub, then pass --hf-token "
-                              "or set HF_TOKEN.") from None
+        raise PermissionError(
+            f"{args.repo_id} is gated: accept its licence on the "
+            "Hub, then pass --hf-token or set HF_TOKEN."
+        ) from None
     except RepositoryNotFoundError:
-        raise FileNotFoundError(f"{args.repo_id} was not found on the Hub (or it is private: pass --hf-token "
-                                "or set HF_TOKEN).") from None
+        raise FileNotFoundError(
+            f"{args.repo_id} was not found on the Hub (or it is "
+            "private: pass --hf-token or set HF_TOKEN)."
+        ) from None
     except LocalEntryNotFoundError:
-        offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
-        why = "HF_HUB_OFFLINE is set" if offline else "there is no network connection to it"
-        raise ConnectionError(f"cannot reach the Hugging Face Hub ({why}), so {args.repo_id} was not downloaded.") from None
+        offline = os.environ.get("HF_HUB_OFFLINE", "0") not in (
+            "0",
+            "",
+            "false",
+            "False",
+        )
+        why = (
+            "HF_HUB_OFFLINE is set"
+            if offline
+            else "there is no network connection to it"
+        )
+        raise ConnectionError(
+            f"cannot reach the Hugging Face Hub ({why}), so "
+            f"{args.repo_id} was not downloaded."
+        ) from None
     except HfHubHTTPError as e:
-        raise ConnectionError(f"the Hub refused the download of {args.repo_id}: {str(e).splitlines()[0]}") from None
+        raise ConnectionError(
+            f"the Hub refused the download of {args.repo_id}: {str(e).splitlines()[0]}"
+        ) from None
     print(f"Downloaded {args.repo_id} to {path}")
     return 0
 
 # %% ../../nbs/03_cli.ipynb #79e130e4
-EXPECTED_ERRORS = (ValueError, FileExistsError, FileNotFoundError, PermissionError, ConnectionError)
+EXPECTED_ERRORS = (
+    ValueError,
+    FileExistsError,
+    FileNotFoundError,
+    PermissionError,
+    ConnectionError,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tunelit", description="Fine-tune LLMs with literate PyTorch recipes.",
-                                     epilog="Run 'tunelit COMMAND -h' for a command's options.")
+    parser = argparse.ArgumentParser(
+        prog="tunelit",
+        description="Fine-tune LLMs with literate PyTorch recipes.",
+        epilog="Run 'tunelit COMMAND -h' for a command's options.",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("ls", help="list built-in recipes and configs")
     p.set_defaults(func=cmd_ls)
 
     p = sub.add_parser("cp", help="copy a built-in recipe or config for editing")
-    p.add_argument("name", help="recipe name (e.g. full_finetune_single_device) or config name (e.g. tiny/full)")
+    p.add_argument(
+        "name",
+        help="recipe name (e.g. full_finetune_single_device) or "
+        "config name (e.g. tiny/full)",
+    )
     p.add_argument("destination", help="file or existing folder to copy to")
     p.add_argument("--force", action="store_true", help="overwrite an existing file")
-    p.add_argument("--make-parents", action="store_true", help="create missing parent folders")
+    p.add_argument(
+        "--make-parents", action="store_true", help="create missing parent folders"
+    )
     p.set_defaults(func=cmd_cp)
 
-    p = sub.add_parser("run", help="run a recipe (add torchrun options before the recipe for several processes)",
-                       usage="tunelit run [--nproc_per_node N] [--nnodes N] [...] RECIPE --config CONFIG [key=value ...]")
+    p = sub.add_parser(
+        "run",
+        help="run a recipe (add torchrun options before the "
+        "recipe for several processes)",
+        usage="tunelit run [--nproc_per_node N] [--nnodes N] [...] "
+        "RECIPE --config CONFIG [key=value ...]",
+    )
     p.add_argument("run_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_run)
 
-    for name, func, help_ in [("validate", cmd_validate, "check a config's components and arguments"),
-                              ("cat", cmd_cat, "print a config with overrides applied"),
-                              ("preflight", cmd_preflight, "report what looks wrong in a fine-tuning config, before training")]:
+    for name, func, help_ in [
+        ("validate", cmd_validate, "check a config's components and arguments"),
+        ("cat", cmd_cat, "print a config with overrides applied"),
+        (
+            "preflight",
+            cmd_preflight,
+            "report what looks wrong in a fine-tuning config, before training",
+        ),
+    ]:
         p = sub.add_parser(name, help=help_)
-        p.add_argument("--config", required=True, help="config name (see 'tunelit ls') or YAML path")
+        p.add_argument(
+            "--config",
+            required=True,
+            help="config name (see 'tunelit ls') or YAML path",
+        )
         p.add_argument("overrides", nargs="*", help="key=value or ~key")
         if name == "cat":
-            p.add_argument("--resolve", action="store_true", help="resolve ${...} interpolations")
+            p.add_argument(
+                "--resolve", action="store_true", help="resolve ${...} interpolations"
+            )
         p.set_defaults(func=func)
 
     p = sub.add_parser("download", help="download a model from the Hugging Face Hub")
     p.add_argument("repo_id", help="e.g. meta-llama/Llama-3.2-1B-Instruct")
     p.add_argument("--output-dir", help="folder to download into (default /tmp/<name>)")
-    p.add_argument("--allow-patterns", nargs="*", default=None, help="only files matching these globs")
-    p.add_argument("--ignore-patterns", nargs="*", default=["original/*"],
-                   help="skip files matching these globs (default: original/*)")
-    p.add_argument("--hf-token", default=None, help="access token (default: the HF_TOKEN environment variable)")
+    p.add_argument(
+        "--allow-patterns",
+        nargs="*",
+        default=None,
+        help="only files matching these globs",
+    )
+    p.add_argument(
+        "--ignore-patterns",
+        nargs="*",
+        default=["original/*"],
+        help="skip files matching these globs (default: original/*)",
+    )
+    p.add_argument(
+        "--hf-token",
+        default=None,
+        help="access token (default: the HF_TOKEN environment variable)",
+    )
     p.set_defaults(func=cmd_download)
     return parser
 
@@ -245,7 +373,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     if argv[:1] == ["run"] and not set(argv[1:2]) & {"-h", "--help"}:
-        # argparse cannot leave '--nproc_per_node 2 RECIPE ...' alone, so `run` takes its arguments verbatim
+        # argparse cannot leave '--nproc_per_node 2 RECIPE ...' alone, so `run` takes
+        # its arguments verbatim
         args = argparse.Namespace(command="run", run_args=argv[1:], func=cmd_run)
     else:
         args = parser.parse_args(argv)

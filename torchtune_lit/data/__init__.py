@@ -8,11 +8,34 @@ __all__ = ['left_pad_sequence', 'padded_collate_dpo', 'padded_collate_packed', '
            'mask_messages', 'validate_messages']
 
 # %% ../../nbs/48_data_map.ipynb #578f6890
-from ._collate import left_pad_sequence, padded_collate_dpo, padded_collate_packed, padded_collate_sft
-from ._messages import (CROSS_ENTROPY_IGNORE_IDX, ChosenRejectedToMessages, InputOutputToMessages,
-                                          Message, OpenAIToMessages, ShareGPTToMessages, mask_messages,
-                                          validate_messages)
+from torchtune_lit.data._collate import (
+    left_pad_sequence,
+    padded_collate_dpo,
+    padded_collate_packed,
+    padded_collate_sft,
+)
+from torchtune_lit.data._messages import (
+    CROSS_ENTROPY_IGNORE_IDX,
+    ChosenRejectedToMessages,
+    InputOutputToMessages,
+    Message,
+    OpenAIToMessages,
+    ShareGPTToMessages,
+    mask_messages,
+    validate_messages,
+)
 
-_all_ = ["left_pad_sequence", "padded_collate_dpo", "padded_collate_packed", "padded_collate_sft",
-         "CROSS_ENTROPY_IGNORE_IDX", "ChosenRejectedToMessages", "InputOutputToMessages", "Message", "OpenAIToMessages",
-         "ShareGPTToMessages", "mask_messages", "validate_messages"]
+_all_ = [
+    "left_pad_sequence",
+    "padded_collate_dpo",
+    "padded_collate_packed",
+    "padded_collate_sft",
+    "CROSS_ENTROPY_IGNORE_IDX",
+    "ChosenRejectedToMessages",
+    "InputOutputToMessages",
+    "Message",
+    "OpenAIToMessages",
+    "ShareGPTToMessages",
+    "mask_messages",
+    "validate_messages",
+]

@@ -17,35 +17,67 @@ from ..modules.attention_utils import create_block_causal_mask
 
 # %% ../../nbs/45_collate.ipynb #51771be7
 def _right_pad(sequences: list[list[int]], value: int, length: int) -> torch.Tensor:
-    padded = pad_sequence([torch.tensor(s, dtype=torch.long) for s in sequences], batch_first=True, padding_value=value)
+    padded = pad_sequence(
+        [torch.tensor(s, dtype=torch.long) for s in sequences],
+        batch_first=True,
+        padding_value=value,
+    )
     return F.pad(padded, (0, length - padded.shape[1]), value=value)
 
 
-def padded_collate_sft(batch: list[dict[str, list[int]]], padding_idx: int = 0,
-                       ignore_idx: int = CROSS_ENTROPY_IGNORE_IDX) -> dict[str, torch.Tensor]:
-    "Right-pad 'tokens' (with padding_idx) and 'labels' (with ignore_idx) to the longest sample: [batch, seq] each."
+def padded_collate_sft(
+    batch: list[dict[str, list[int]]],
+    padding_idx: int = 0,
+    ignore_idx: int = CROSS_ENTROPY_IGNORE_IDX,
+) -> dict[str, torch.Tensor]:
+    """Right-pad 'tokens' (with padding_idx) and 'labels' (with ignore_idx) to the
+    longest sample: [batch, seq] each.
+    """
     length = max(len(x["tokens"]) for x in batch)
-    return {"tokens": _right_pad([x["tokens"] for x in batch], padding_idx, length),
-            "labels": _right_pad([x["labels"] for x in batch], ignore_idx, length)}
+    return {
+        "tokens": _right_pad([x["tokens"] for x in batch], padding_idx, length),
+        "labels": _right_pad([x["labels"] for x in batch], ignore_idx, length),
+    }
 
 
-def padded_collate_dpo(batch: list[dict[str, list[int]]], padding_idx: int = 0,
-                       ignore_idx: int = CROSS_ENTROPY_IGNORE_IDX) -> tuple[torch.Tensor, torch.Tensor]:
-    "Preference samples -> (input_ids [2B, seq], labels [2B, seq]), all chosen rows first, padded to one length."
-    ids = [x["chosen_input_ids"] for x in batch] + [x["rejected_input_ids"] for x in batch]
+def padded_collate_dpo(
+    batch: list[dict[str, list[int]]],
+    padding_idx: int = 0,
+    ignore_idx: int = CROSS_ENTROPY_IGNORE_IDX,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Preference samples -> (input_ids [2B, seq], labels [2B, seq]), all chosen rows
+    first, padded to one length.
+    """
+    ids = [x["chosen_input_ids"] for x in batch] + [
+        x["rejected_input_ids"] for x in batch
+    ]
     labels = [x["chosen_labels"] for x in batch] + [x["rejected_labels"] for x in batch]
     length = max(len(s) for s in ids)
     return _right_pad(ids, padding_idx, length), _right_pad(labels, ignore_idx, length)
 
 
 def padded_collate_packed(batch: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
-    "Packs -> tokens, labels, input_pos [batch, max_seq_len] and the block-causal mask [batch, max_seq_len, max_seq_len]."
-    return {"tokens": torch.tensor([x["tokens"] for x in batch]), "labels": torch.tensor([x["labels"] for x in batch]),
-            "input_pos": torch.tensor([x["input_pos"] for x in batch]),
-            "mask": create_block_causal_mask([x["seq_lens"] for x in batch])}
+    """Packs -> tokens, labels, input_pos [batch, max_seq_len] and the block-causal mask
+    [batch, max_seq_len, max_seq_len].
+    """
+    return {
+        "tokens": torch.tensor([x["tokens"] for x in batch]),
+        "labels": torch.tensor([x["labels"] for x in batch]),
+        "input_pos": torch.tensor([x["input_pos"] for x in batch]),
+        "mask": create_block_causal_mask([x["seq_lens"] for x in batch]),
+    }
 
 
-def left_pad_sequence(sequences: list[torch.Tensor], padding_value: int = 0) -> torch.Tensor:
-    "Left-pad 1-D sequences to a [batch, longest] tensor (prompts for batched generation)."
+def left_pad_sequence(
+    sequences: list[torch.Tensor], padding_value: int = 0
+) -> torch.Tensor:
+    """Left-pad 1-D sequences to a [batch, longest] tensor (prompts for batched
+    generation).
+    """
     length = max(len(s) for s in sequences)
-    return torch.stack([F.pad(torch.as_tensor(s), (length - len(s), 0), value=padding_value) for s in sequences])
+    return torch.stack(
+        [
+            F.pad(torch.as_tensor(s), (length - len(s), 0), value=padding_value)
+            for s in sequences
+        ]
+    )

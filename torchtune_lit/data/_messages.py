@@ -16,7 +16,10 @@ ROLES = ("system", "user", "assistant", "ipython")
 # %% ../../nbs/41_messages.ipynb #2cafd56c
 @dataclass
 class Message:
-    "One turn of a conversation. `masked`: its tokens are not trained on. `eot`: the turn ends (end-of-turn token)."
+    """One turn of a conversation. `masked`: its tokens are not trained on. `eot`: the
+    turn ends (end-of-turn token).
+    """
+
     role: str
     content: str
     masked: bool = False
@@ -26,33 +29,56 @@ class Message:
         if self.role not in ROLES:
             raise ValueError(f"unknown message role {self.role!r}; roles are {ROLES}.")
         if not isinstance(self.content, str):
-            raise TypeError(f"message content must be text, got {type(self.content).__name__}.")
+            raise TypeError(
+                f"message content must be text, got {type(self.content).__name__}."
+            )
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Message":
-        return cls(role=d["role"], content=d["content"], masked=d.get("masked", False), eot=d.get("eot", True))
+        return cls(
+            role=d["role"],
+            content=d["content"],
+            masked=d.get("masked", False),
+            eot=d.get("eot", True),
+        )
 
 
 def validate_messages(messages: list[Message]) -> None:
-    "Raise ValueError unless: not empty; system only first; then user and assistant alternate, starting with user."
+    """Raise ValueError unless: not empty; system only first; then user and assistant
+    alternate, starting with user.
+    """
     if not messages:
-        raise ValueError("empty conversation: a sample needs at least one user message.")
+        raise ValueError(
+            "empty conversation: a sample needs at least one user message."
+        )
     turns = messages[1:] if messages[0].role == "system" else messages
     expected = "user"
     for i, message in enumerate(turns, start=len(messages) - len(turns)):
         if message.role == "system":
-            raise ValueError(f"message {i} is a system message; a system message may only come first.")
+            raise ValueError(
+                f"message {i} is a system message; a system message may "
+                "only come first."
+            )
         if message.role == "ipython":
             continue  # tool output belongs to the assistant's turn
         if message.role != expected:
-            raise ValueError(f"message {i} has role {message.role!r} but {expected!r} was expected: roles must "
-                             "alternate user/assistant starting with user (after an optional system message).")
+            raise ValueError(
+                f"message {i} has role {message.role!r} but "
+                f"{expected!r} was expected: roles must alternate user/assistant "
+                "starting with user (after an optional system message)."
+            )
         expected = "assistant" if expected == "user" else "user"
 
 
-def mask_messages(messages: list[Message], masking_strategy: str = "train_on_assistant") -> None:
-    "Set `masked` in place: 'train_on_all', 'train_on_assistant' (default) or 'train_on_last' (last assistant turn)."
-    last_assistant = max((i for i, m in enumerate(messages) if m.role == "assistant"), default=None)
+def mask_messages(
+    messages: list[Message], masking_strategy: str = "train_on_assistant"
+) -> None:
+    """Set `masked` in place: 'train_on_all', 'train_on_assistant' (default) or
+    'train_on_last' (last assistant turn).
+    """
+    last_assistant = max(
+        (i for i, m in enumerate(messages) if m.role == "assistant"), default=None
+    )
     for i, message in enumerate(messages):
         if masking_strategy == "train_on_all":
             message.masked = False
@@ -61,19 +87,29 @@ def mask_messages(messages: list[Message], masking_strategy: str = "train_on_ass
         elif masking_strategy == "train_on_last":
             message.masked = i != last_assistant
         else:
-            raise ValueError(f"masking_strategy {masking_strategy!r}: use train_on_all, train_on_assistant or train_on_last.")
+            raise ValueError(
+                f"masking_strategy {masking_strategy!r}: use "
+                "train_on_all, train_on_assistant or train_on_last."
+            )
 
 # %% ../../nbs/41_messages.ipynb #c3efc88d
-def _column(row: Mapping[str, Any], name: str, column_map: Optional[Mapping[str, str]]) -> Any:
+def _column(
+    row: Mapping[str, Any], name: str, column_map: Optional[Mapping[str, str]]
+) -> Any:
     "row[column_map.get(name, name)], with an error naming the columns present."
     column = (column_map or {}).get(name, name)
     if column not in row:
-        raise KeyError(f"dataset has no column {column!r} (expected for {name!r}); its columns are {sorted(row)}. "
-                       f"Set column_map={{'{name}': '<your column>'}}.")
+        raise KeyError(
+            f"dataset has no column {column!r} (expected for {name!r}); "
+            f"its columns are {sorted(row)}. Set "
+            f"column_map={{'{name}': '<your column>'}}."
+        )
     return row[column]
 
 
-def _with_system(messages: list[Message], new_system_prompt: Optional[str]) -> list[Message]:
+def _with_system(
+    messages: list[Message], new_system_prompt: Optional[str]
+) -> list[Message]:
     if new_system_prompt is None:
         return messages
     rest = [m for m in messages if m.role != "system"]
@@ -83,58 +119,128 @@ def _with_system(messages: list[Message], new_system_prompt: Optional[str]) -> l
 class InputOutputToMessages:
     "A row with an input and an output column -> [user(input), assistant(output)]."
 
-    def __init__(self, train_on_input: bool = False, column_map: Optional[Mapping[str, str]] = None,
-                 new_system_prompt: Optional[str] = None) -> None:
-        self.train_on_input, self.column_map, self.new_system_prompt = train_on_input, column_map, new_system_prompt
+    def __init__(
+        self,
+        train_on_input: bool = False,
+        column_map: Optional[Mapping[str, str]] = None,
+        new_system_prompt: Optional[str] = None,
+    ) -> None:
+        self.train_on_input, self.column_map, self.new_system_prompt = (
+            train_on_input,
+            column_map,
+            new_system_prompt,
+        )
 
     def __call__(self, row: Mapping[str, Any]) -> dict[str, list[Message]]:
-        messages = [Message("user", str(_column(row, "input", self.column_map)), masked=not self.train_on_input),
-                    Message("assistant", str(_column(row, "output", self.column_map)))]
+        messages = [
+            Message(
+                "user",
+                str(_column(row, "input", self.column_map)),
+                masked=not self.train_on_input,
+            ),
+            Message("assistant", str(_column(row, "output", self.column_map))),
+        ]
         return {"messages": _with_system(messages, self.new_system_prompt)}
 
 
 class OpenAIToMessages:
     "A row with a list of {'role', 'content'} dicts (OpenAI chat format) -> messages."
 
-    def __init__(self, train_on_input: bool = False, column_map: Optional[Mapping[str, str]] = None,
-                 new_system_prompt: Optional[str] = None) -> None:
-        self.train_on_input, self.column_map, self.new_system_prompt = train_on_input, column_map, new_system_prompt
+    def __init__(
+        self,
+        train_on_input: bool = False,
+        column_map: Optional[Mapping[str, str]] = None,
+        new_system_prompt: Optional[str] = None,
+    ) -> None:
+        self.train_on_input, self.column_map, self.new_system_prompt = (
+            train_on_input,
+            column_map,
+            new_system_prompt,
+        )
 
     def __call__(self, row: Mapping[str, Any]) -> dict[str, list[Message]]:
-        messages = [Message(m["role"], m["content"], masked=m["role"] != "assistant" and not self.train_on_input)
-                    for m in _column(row, "messages", self.column_map)]
+        messages = [
+            Message(
+                m["role"],
+                m["content"],
+                masked=m["role"] != "assistant" and not self.train_on_input,
+            )
+            for m in _column(row, "messages", self.column_map)
+        ]
         return {"messages": _with_system(messages, self.new_system_prompt)}
 
 
 class ShareGPTToMessages:
-    "A row with a list of {'from': human|gpt|system, 'value'} dicts (ShareGPT format) -> messages."
-    ROLE_NAMES = {"system": "system", "human": "user", "gpt": "assistant", "user": "user", "assistant": "assistant"}
+    """A row with a list of {'from': human|gpt|system, 'value'} dicts (ShareGPT format)
+    -> messages.
+    """
 
-    def __init__(self, train_on_input: bool = False, column_map: Optional[Mapping[str, str]] = None,
-                 new_system_prompt: Optional[str] = None) -> None:
-        self.train_on_input, self.column_map, self.new_system_prompt = train_on_input, column_map, new_system_prompt
+    ROLE_NAMES = {
+        "system": "system",
+        "human": "user",
+        "gpt": "assistant",
+        "user": "user",
+        "assistant": "assistant",
+    }
+
+    def __init__(
+        self,
+        train_on_input: bool = False,
+        column_map: Optional[Mapping[str, str]] = None,
+        new_system_prompt: Optional[str] = None,
+    ) -> None:
+        self.train_on_input, self.column_map, self.new_system_prompt = (
+            train_on_input,
+            column_map,
+            new_system_prompt,
+        )
 
     def __call__(self, row: Mapping[str, Any]) -> dict[str, list[Message]]:
         messages = []
         for turn in _column(row, "conversations", self.column_map):
             if turn["from"] not in self.ROLE_NAMES:
-                raise ValueError(f"ShareGPT turn from {turn['from']!r}; expected one of {sorted(self.ROLE_NAMES)}.")
+                raise ValueError(
+                    f"ShareGPT turn from {turn['from']!r}; expected one "
+                    f"of {sorted(self.ROLE_NAMES)}."
+                )
             role = self.ROLE_NAMES[turn["from"]]
-            messages.append(Message(role, turn["value"], masked=role != "assistant" and not self.train_on_input))
+            messages.append(
+                Message(
+                    role,
+                    turn["value"],
+                    masked=role != "assistant" and not self.train_on_input,
+                )
+            )
         return {"messages": _with_system(messages, self.new_system_prompt)}
 
 
 class ChosenRejectedToMessages:
-    "A preference row with 'chosen' and 'rejected' message lists (same prompt) -> {'chosen': [...], 'rejected': [...]}."
+    """A preference row with 'chosen' and 'rejected' message lists (same prompt) ->
+    {'chosen': [...], 'rejected': [...]}.
+    """
 
-    def __init__(self, train_on_input: bool = False, column_map: Optional[Mapping[str, str]] = None,
-                 new_system_prompt: Optional[str] = None) -> None:
-        self.train_on_input, self.column_map, self.new_system_prompt = train_on_input, column_map, new_system_prompt
+    def __init__(
+        self,
+        train_on_input: bool = False,
+        column_map: Optional[Mapping[str, str]] = None,
+        new_system_prompt: Optional[str] = None,
+    ) -> None:
+        self.train_on_input, self.column_map, self.new_system_prompt = (
+            train_on_input,
+            column_map,
+            new_system_prompt,
+        )
 
     def __call__(self, row: Mapping[str, Any]) -> dict[str, list[Message]]:
         out = {}
         for key in ("chosen", "rejected"):
-            messages = [Message(m["role"], m["content"], masked=m["role"] != "assistant" and not self.train_on_input)
-                        for m in _column(row, key, self.column_map)]
+            messages = [
+                Message(
+                    m["role"],
+                    m["content"],
+                    masked=m["role"] != "assistant" and not self.train_on_input,
+                )
+                for m in _column(row, key, self.column_map)
+            ]
             out[key] = _with_system(messages, self.new_system_prompt)
         return out

@@ -7,10 +7,27 @@ __all__ = ['PreferenceDataset', 'SFTDataset', 'TextCompletionDataset', 'chat_dat
            'text_completion_dataset', 'PackedDataset', 'build_tiny_world', 'tiny_tokenizer']
 
 # %% ../../nbs/49_datasets_map.ipynb #1959e30d
-from ._builders import (PreferenceDataset, SFTDataset, TextCompletionDataset, chat_dataset,
-                                              instruct_dataset, preference_dataset, text_completion_dataset)
+from torchtune_lit.datasets._builders import (
+    PreferenceDataset,
+    SFTDataset,
+    TextCompletionDataset,
+    chat_dataset,
+    instruct_dataset,
+    preference_dataset,
+    text_completion_dataset,
+)
 from ._packed import PackedDataset
 from ._tiny_world import build_tiny_world, tiny_tokenizer
 
-_all_ = ["PreferenceDataset", "SFTDataset", "TextCompletionDataset", "chat_dataset", "instruct_dataset",
-         "preference_dataset", "text_completion_dataset", "PackedDataset", "build_tiny_world", "tiny_tokenizer"]
+_all_ = [
+    "PreferenceDataset",
+    "SFTDataset",
+    "TextCompletionDataset",
+    "chat_dataset",
+    "instruct_dataset",
+    "preference_dataset",
+    "text_completion_dataset",
+    "PackedDataset",
+    "build_tiny_world",
+    "tiny_tokenizer",
+]

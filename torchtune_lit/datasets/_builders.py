@@ -13,32 +13,62 @@ from typing import Any, Callable, Mapping, Optional
 import numpy as np
 from torch.utils.data import Dataset
 
-from ..data._messages import (CROSS_ENTROPY_IGNORE_IDX, ChosenRejectedToMessages, InputOutputToMessages,
-                                          OpenAIToMessages, ShareGPTToMessages)
+from torchtune_lit.data._messages import (
+    CROSS_ENTROPY_IGNORE_IDX,
+    ChosenRejectedToMessages,
+    InputOutputToMessages,
+    OpenAIToMessages,
+    ShareGPTToMessages,
+)
 
 # %% ../../nbs/43_datasets.ipynb #8013d31b
-def load_rows(source: str, split: str = "train", filter_fn: Optional[Callable] = None, **load_dataset_kwargs: Any):
-    "Rows of `datasets.load_dataset(source, split=split, **kwargs)`, optionally filtered; a clear error if loading fails."
+def load_rows(
+    source: str,
+    split: str = "train",
+    filter_fn: Optional[Callable] = None,
+    **load_dataset_kwargs: Any,
+):
+    """Rows of `datasets.load_dataset(source, split=split, **kwargs)`, optionally
+    filtered; a clear error if loading fails.
+    """
     import datasets
+
     try:
         rows = datasets.load_dataset(source, split=split, **load_dataset_kwargs)
     except FileNotFoundError as e:
-        raise FileNotFoundError(f"could not load dataset source={source!r} {load_dataset_kwargs}: {e}. For local files "
-                                "use source: json (or csv, parquet) with data_files: PATH.") from None
+        raise FileNotFoundError(
+            f"could not load dataset source={source!r} "
+            f"{load_dataset_kwargs}: {e}. For local files use source: json (or csv, "
+            "parquet) with data_files: PATH."
+        ) from None
     if filter_fn is not None:
         rows = rows.filter(filter_fn)
     return rows
 
 
 class SFTDataset(Dataset):
-    """Rows -> `message_transform` -> `model_transform` (a model tokenizer) -> {"tokens", "labels"}.
+    """Rows -> `message_transform` -> `model_transform` (a model tokenizer) ->
+    {"tokens", "labels"}.
 
-    Counts samples with no trained token in `num_untrainable` and warns on the first one."""
+    Counts samples with no trained token in `num_untrainable` and warns on the first
+    one.
+    """
 
-    def __init__(self, *, source: str, message_transform: Callable, model_transform: Callable,
-                 filter_fn: Optional[Callable] = None, split: str = "train", **load_dataset_kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        source: str,
+        message_transform: Callable,
+        model_transform: Callable,
+        filter_fn: Optional[Callable] = None,
+        split: str = "train",
+        **load_dataset_kwargs: Any,
+    ) -> None:
         self._rows = load_rows(source, split, filter_fn, **load_dataset_kwargs)
-        self._message_transform, self._model_transform = message_transform, model_transform
+        self._message_transform, self._model_transform = (
+            message_transform,
+            model_transform,
+        )
         self.num_untrainable, self._untrainable_seen = 0, set()
 
     def __len__(self) -> int:
@@ -46,14 +76,23 @@ class SFTDataset(Dataset):
 
     def __getitem__(self, index: int) -> dict[str, list[int]]:
         sample = self._model_transform(self._message_transform(self._rows[index]))
-        labels = list(np.where(sample["mask"], CROSS_ENTROPY_IGNORE_IDX, sample["tokens"]))
-        if all(l == CROSS_ENTROPY_IGNORE_IDX for l in labels) and index not in self._untrainable_seen:
+        labels = list(
+            np.where(sample["mask"], CROSS_ENTROPY_IGNORE_IDX, sample["tokens"])
+        )
+        if (
+            all(l == CROSS_ENTROPY_IGNORE_IDX for l in labels)
+            and index not in self._untrainable_seen
+        ):
             self._untrainable_seen.add(index)
             self.num_untrainable += 1
             if self.num_untrainable == 1:
-                warnings.warn(f"sample {index} has no token to train on after masking (all labels are "
-                              f"{CROSS_ENTROPY_IGNORE_IDX}): check train_on_input, max_seq_len and the column_map. "
-                              "Further such samples are counted in dataset.num_untrainable.", stacklevel=2)
+                warnings.warn(
+                    f"sample {index} has no token to train on after "
+                    f"masking (all labels are {CROSS_ENTROPY_IGNORE_IDX}): check "
+                    "train_on_input, max_seq_len and the column_map. Further such "
+                    "samples are counted in dataset.num_untrainable.",
+                    stacklevel=2,
+                )
         return {"tokens": list(sample["tokens"]), "labels": [int(l) for l in labels]}
 
 # %% ../../nbs/43_datasets.ipynb #b94e88ce
@@ -61,39 +100,95 @@ def _maybe_pack(ds: Dataset, tokenizer: Any, packed: bool) -> Dataset:
     if not packed:
         return ds
     if getattr(tokenizer, "max_seq_len", None) is None:
-        raise ValueError("packed=True needs the tokenizer's max_seq_len (the length of a pack); set tokenizer.max_seq_len.")
+        raise ValueError(
+            "packed=True needs the tokenizer's max_seq_len (the length "
+            "of a pack); set tokenizer.max_seq_len."
+        )
     from torchtune_lit.datasets._packed import PackedDataset
+
     return PackedDataset(ds, max_seq_len=tokenizer.max_seq_len)
 
 
-def instruct_dataset(tokenizer: Any, *, source: str, column_map: Optional[Mapping[str, str]] = None,
-                     train_on_input: bool = False, new_system_prompt: Optional[str] = None, packed: bool = False,
-                     filter_fn: Optional[Callable] = None, split: str = "train", **load_dataset_kwargs: Any) -> Dataset:
-    "Input/output rows (`column_map` renames 'input' and 'output') as a user turn and an assistant answer."
-    ds = SFTDataset(source=source, message_transform=InputOutputToMessages(train_on_input, column_map, new_system_prompt),
-                    model_transform=tokenizer, filter_fn=filter_fn, split=split, **load_dataset_kwargs)
+def instruct_dataset(
+    tokenizer: Any,
+    *,
+    source: str,
+    column_map: Optional[Mapping[str, str]] = None,
+    train_on_input: bool = False,
+    new_system_prompt: Optional[str] = None,
+    packed: bool = False,
+    filter_fn: Optional[Callable] = None,
+    split: str = "train",
+    **load_dataset_kwargs: Any,
+) -> Dataset:
+    """Input/output rows (`column_map` renames 'input' and 'output') as a user turn and
+    an assistant answer.
+    """
+    ds = SFTDataset(
+        source=source,
+        message_transform=InputOutputToMessages(
+            train_on_input, column_map, new_system_prompt
+        ),
+        model_transform=tokenizer,
+        filter_fn=filter_fn,
+        split=split,
+        **load_dataset_kwargs,
+    )
     return _maybe_pack(ds, tokenizer, packed)
 
 
-def chat_dataset(tokenizer: Any, *, source: str, conversation_column: str, conversation_style: str,
-                 train_on_input: bool = False, new_system_prompt: Optional[str] = None, packed: bool = False,
-                 filter_fn: Optional[Callable] = None, split: str = "train", **load_dataset_kwargs: Any) -> Dataset:
-    "Multi-turn conversations in 'sharegpt' or 'openai' style from `conversation_column`."
-    styles = {"sharegpt": (ShareGPTToMessages, "conversations"), "openai": (OpenAIToMessages, "messages")}
+def chat_dataset(
+    tokenizer: Any,
+    *,
+    source: str,
+    conversation_column: str,
+    conversation_style: str,
+    train_on_input: bool = False,
+    new_system_prompt: Optional[str] = None,
+    packed: bool = False,
+    filter_fn: Optional[Callable] = None,
+    split: str = "train",
+    **load_dataset_kwargs: Any,
+) -> Dataset:
+    """Multi-turn conversations in 'sharegpt' or 'openai' style from
+    `conversation_column`.
+    """
+    styles = {
+        "sharegpt": (ShareGPTToMessages, "conversations"),
+        "openai": (OpenAIToMessages, "messages"),
+    }
     if conversation_style not in styles:
-        raise ValueError(f"conversation_style {conversation_style!r}: use one of {sorted(styles)}.")
+        raise ValueError(
+            f"conversation_style {conversation_style!r}: use one of {sorted(styles)}."
+        )
     cls, expected = styles[conversation_style]
     transform = cls(train_on_input, {expected: conversation_column}, new_system_prompt)
-    ds = SFTDataset(source=source, message_transform=transform, model_transform=tokenizer, filter_fn=filter_fn,
-                    split=split, **load_dataset_kwargs)
+    ds = SFTDataset(
+        source=source,
+        message_transform=transform,
+        model_transform=tokenizer,
+        filter_fn=filter_fn,
+        split=split,
+        **load_dataset_kwargs,
+    )
     return _maybe_pack(ds, tokenizer, packed)
 
 # %% ../../nbs/43_datasets.ipynb #6bee4a2f
 class PreferenceDataset(Dataset):
-    "Rows with 'chosen' and 'rejected' conversations -> chosen/rejected input ids and labels."
+    """Rows with 'chosen' and 'rejected' conversations -> chosen/rejected input ids and
+    labels.
+    """
 
-    def __init__(self, *, source: str, message_transform: Callable, tokenizer: Any, filter_fn: Optional[Callable] = None,
-                 split: str = "train", **load_dataset_kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        source: str,
+        message_transform: Callable,
+        tokenizer: Any,
+        filter_fn: Optional[Callable] = None,
+        split: str = "train",
+        **load_dataset_kwargs: Any,
+    ) -> None:
         self._rows = load_rows(source, split, filter_fn, **load_dataset_kwargs)
         self._message_transform, self._tokenizer = message_transform, tokenizer
 
@@ -106,43 +201,92 @@ class PreferenceDataset(Dataset):
         for key in ("chosen", "rejected"):
             tokens, mask = self._tokenizer.tokenize_messages(pair[key])
             out[f"{key}_input_ids"] = tokens
-            out[f"{key}_labels"] = [CROSS_ENTROPY_IGNORE_IDX if m else t for t, m in zip(tokens, mask)]
+            out[f"{key}_labels"] = [
+                CROSS_ENTROPY_IGNORE_IDX if m else t for t, m in zip(tokens, mask)
+            ]
         return out
 
 
-def preference_dataset(tokenizer: Any, *, source: str, column_map: Optional[Mapping[str, str]] = None,
-                       train_on_input: bool = False, new_system_prompt: Optional[str] = None,
-                       filter_fn: Optional[Callable] = None, split: str = "train", **load_dataset_kwargs: Any) -> Dataset:
-    "Preference pairs: `chosen` and `rejected` columns of OpenAI-style messages sharing a prompt."
-    return PreferenceDataset(source=source, message_transform=ChosenRejectedToMessages(train_on_input, column_map, new_system_prompt),
-                             tokenizer=tokenizer, filter_fn=filter_fn, split=split, **load_dataset_kwargs)
+def preference_dataset(
+    tokenizer: Any,
+    *,
+    source: str,
+    column_map: Optional[Mapping[str, str]] = None,
+    train_on_input: bool = False,
+    new_system_prompt: Optional[str] = None,
+    filter_fn: Optional[Callable] = None,
+    split: str = "train",
+    **load_dataset_kwargs: Any,
+) -> Dataset:
+    """Preference pairs: `chosen` and `rejected` columns of OpenAI-style messages
+    sharing a prompt.
+    """
+    return PreferenceDataset(
+        source=source,
+        message_transform=ChosenRejectedToMessages(
+            train_on_input, column_map, new_system_prompt
+        ),
+        tokenizer=tokenizer,
+        filter_fn=filter_fn,
+        split=split,
+        **load_dataset_kwargs,
+    )
 
 # %% ../../nbs/43_datasets.ipynb #e95c1ac3
 class TextCompletionDataset(Dataset):
     "Plain text rows -> tokens, all trained on."
 
-    def __init__(self, tokenizer: Any, *, source: str, column: str = "text", add_eos: bool = True,
-                 filter_fn: Optional[Callable] = None, split: str = "train", **load_dataset_kwargs: Any) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        source: str,
+        column: str = "text",
+        add_eos: bool = True,
+        filter_fn: Optional[Callable] = None,
+        split: str = "train",
+        **load_dataset_kwargs: Any,
+    ) -> None:
         self._rows = load_rows(source, split, filter_fn, **load_dataset_kwargs)
         if column not in self._rows.column_names:
-            raise KeyError(f"dataset has no column {column!r}; its columns are {self._rows.column_names}. Set column=...")
+            raise KeyError(
+                f"dataset has no column {column!r}; its columns are "
+                f"{self._rows.column_names}. Set column=..."
+            )
         self._tokenizer, self._column, self._add_eos = tokenizer, column, add_eos
 
     def __len__(self) -> int:
         return len(self._rows)
 
     def __getitem__(self, index: int) -> dict[str, list[int]]:
-        tokens = self._tokenizer.encode(self._rows[index][self._column], add_bos=True, add_eos=self._add_eos)
+        tokens = self._tokenizer.encode(
+            self._rows[index][self._column], add_bos=True, add_eos=self._add_eos
+        )
         max_len = getattr(self._tokenizer, "max_seq_len", None)
         if max_len is not None and len(tokens) > max_len:
             tokens = tokens[:max_len]
         return {"tokens": tokens, "labels": list(tokens)}
 
 
-def text_completion_dataset(tokenizer: Any, *, source: str, column: str = "text", add_eos: bool = True,
-                            packed: bool = False, filter_fn: Optional[Callable] = None, split: str = "train",
-                            **load_dataset_kwargs: Any) -> Dataset:
+def text_completion_dataset(
+    tokenizer: Any,
+    *,
+    source: str,
+    column: str = "text",
+    add_eos: bool = True,
+    packed: bool = False,
+    filter_fn: Optional[Callable] = None,
+    split: str = "train",
+    **load_dataset_kwargs: Any,
+) -> Dataset:
     "Every token of `column` trained on (continued pre-training)."
-    ds = TextCompletionDataset(tokenizer, source=source, column=column, add_eos=add_eos, filter_fn=filter_fn, split=split,
-                               **load_dataset_kwargs)
+    ds = TextCompletionDataset(
+        tokenizer,
+        source=source,
+        column=column,
+        add_eos=add_eos,
+        filter_fn=filter_fn,
+        split=split,
+        **load_dataset_kwargs,
+    )
     return _maybe_pack(ds, tokenizer, packed)

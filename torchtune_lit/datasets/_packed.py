@@ -14,24 +14,46 @@ from ..data._messages import CROSS_ENTROPY_IGNORE_IDX
 
 # %% ../../nbs/44_packing.ipynb #86a82a3a
 class PackedDataset(Dataset):
-    "Greedy packing of `ds`'s {'tokens', 'labels'} samples into packs of exactly `max_seq_len` tokens."
+    """Greedy packing of `ds`'s {'tokens', 'labels'} samples into packs of exactly
+    `max_seq_len` tokens.
+    """
 
-    def __init__(self, ds: Dataset, *, max_seq_len: int, padding_idx: int = 0, max_packs: Optional[int] = None,
-                 split_across_pack: bool = False) -> None:
-        self.max_seq_len, self.padding_idx, self.split_across_pack = max_seq_len, padding_idx, split_across_pack
+    def __init__(
+        self,
+        ds: Dataset,
+        *,
+        max_seq_len: int,
+        padding_idx: int = 0,
+        max_packs: Optional[int] = None,
+        split_across_pack: bool = False,
+    ) -> None:
+        self.max_seq_len, self.padding_idx, self.split_across_pack = (
+            max_seq_len,
+            padding_idx,
+            split_across_pack,
+        )
         self.packs: list[dict[str, list[int]]] = []
         current = {"tokens": [], "labels": [], "input_pos": [], "seq_lens": []}
         for index in range(len(ds)):
             sample = ds[index]
             tokens, labels = list(sample["tokens"]), list(sample["labels"])
             if len(tokens) > max_seq_len and not split_across_pack:
-                raise ValueError(f"sample {index} has {len(tokens)} tokens, more than max_seq_len={max_seq_len}: raise "
-                                 "max_seq_len, truncate in the tokenizer (tokenizer.max_seq_len), or set split_across_pack=True.")
+                raise ValueError(
+                    f"sample {index} has {len(tokens)} tokens, more "
+                    f"than max_seq_len={max_seq_len}: raise max_seq_len, truncate in "
+                    "the tokenizer (tokenizer.max_seq_len), or set "
+                    "split_across_pack=True."
+                )
             while tokens:
                 room = max_seq_len - len(current["tokens"])
                 if len(tokens) > room and (not split_across_pack or room == 0):
                     self._close(current)
-                    current = {"tokens": [], "labels": [], "input_pos": [], "seq_lens": []}
+                    current = {
+                        "tokens": [],
+                        "labels": [],
+                        "input_pos": [],
+                        "seq_lens": [],
+                    }
                     room = max_seq_len
                 piece, tokens = tokens[:room], tokens[room:]
                 piece_labels, labels = labels[:room], labels[room:]
@@ -45,7 +67,9 @@ class PackedDataset(Dataset):
             self._close(current)
 
     def _close(self, pack: dict[str, list[int]]) -> None:
-        "Pad the pack to max_seq_len (the padding is one more sequence, never trained on) and store it."
+        """Pad the pack to max_seq_len (the padding is one more sequence, never trained
+        on) and store it.
+        """
         pad = self.max_seq_len - len(pack["tokens"])
         if pad:
             pack["tokens"] += [self.padding_idx] * pad

@@ -20,36 +20,136 @@ import torchtune_lit
 TINY_ASSETS = Path(torchtune_lit.__file__).resolve().parent / "assets" / "tiny"
 
 # %% ../../nbs/46_tiny_world.ipynb #d7bfd8db
-FIRST = ["Ana", "Maria", "John", "Wei", "Fatima", "Lukas", "Sofia", "Kenji", "Amara", "Pedro", "Ingrid", "Omar", "Chloe", "Ravi"]
-LAST = ["Silva", "Ruiz", "Smith", "Chen", "Khan", "Weber", "Rossi", "Tanaka", "Okafor", "Santos", "Berg", "Haddad", "Martin", "Patel"]
-COUNTRIES = ["France", "Germany", "Japan", "Brazil", "Nigeria", "Canada", "India", "Spain", "Norway", "Egypt", "Mexico", "Italy"]
-CITIES = ["Paris", "Berlin", "Osaka", "Recife", "Lagos", "Toronto", "Pune", "Seville", "Bergen", "Cairo", "Puebla", "Turin"]
-WORDS = ["north", "blue", "river", "stone", "cloud", "maple", "swift", "prime", "delta", "orbit", "cedar", "lumen"]
-PRODUCTS = ["Water Bottle", "Desk Lamp", "Backpack", "Headphones", "Notebook", "Coffee Mug", "Running Shoes", "Umbrella"]
+FIRST = [
+    "Ana",
+    "Maria",
+    "John",
+    "Wei",
+    "Fatima",
+    "Lukas",
+    "Sofia",
+    "Kenji",
+    "Amara",
+    "Pedro",
+    "Ingrid",
+    "Omar",
+    "Chloe",
+    "Ravi",
+]
+LAST = [
+    "Silva",
+    "Ruiz",
+    "Smith",
+    "Chen",
+    "Khan",
+    "Weber",
+    "Rossi",
+    "Tanaka",
+    "Okafor",
+    "Santos",
+    "Berg",
+    "Haddad",
+    "Martin",
+    "Patel",
+]
+COUNTRIES = [
+    "France",
+    "Germany",
+    "Japan",
+    "Brazil",
+    "Nigeria",
+    "Canada",
+    "India",
+    "Spain",
+    "Norway",
+    "Egypt",
+    "Mexico",
+    "Italy",
+]
+CITIES = [
+    "Paris",
+    "Berlin",
+    "Osaka",
+    "Recife",
+    "Lagos",
+    "Toronto",
+    "Pune",
+    "Seville",
+    "Bergen",
+    "Cairo",
+    "Puebla",
+    "Turin",
+]
+WORDS = [
+    "north",
+    "blue",
+    "river",
+    "stone",
+    "cloud",
+    "maple",
+    "swift",
+    "prime",
+    "delta",
+    "orbit",
+    "cedar",
+    "lumen",
+]
+PRODUCTS = [
+    "Water Bottle",
+    "Desk Lamp",
+    "Backpack",
+    "Headphones",
+    "Notebook",
+    "Coffee Mug",
+    "Running Shoes",
+    "Umbrella",
+]
 MATERIALS = ["Steel", "Bamboo", "Glass", "Leather", "Cotton", "Ceramic"]
 COLOURS = ["Blue", "Red", "Black", "Green", "Grey", "White"]
 
 
 def _date(r: random.Random) -> str:
     y, m, d = r.randint(1940, 2005), r.randint(1, 12), r.randint(1, 28)
-    return r.choice([f"{d:02d}/{m:02d}/{y}", f"{y}-{m:02d}-{d:02d}", f"{m:02d}/{d:02d}/{y}"])
+    return r.choice(
+        [f"{d:02d}/{m:02d}/{y}", f"{y}-{m:02d}-{d:02d}", f"{m:02d}/{d:02d}/{y}"]
+    )
 
 
 def _money(r: random.Random) -> str:
     units, cents = r.randint(1, 99_999), r.randint(0, 99)
-    return r.choice([f"${units:,}.{cents:02d}", f"{units:,}.{cents:02d} USD".replace(",", " "),
-                     f"{units:,}.{cents:02d}".replace(",", "X").replace(".", ",").replace("X", ".") + " EUR",
-                     f"£{units}.{cents:02d}"])
+    return r.choice(
+        [
+            f"${units:,}.{cents:02d}",
+            f"{units:,}.{cents:02d} USD".replace(",", " "),
+            f"{units:,}.{cents:02d}".replace(",", "X")
+            .replace(".", ",")
+            .replace("X", ".")
+            + " EUR",
+            f"£{units}.{cents:02d}",
+        ]
+    )
 
 
 def _postal(r: random.Random) -> str:
-    return r.choice([f"{r.randint(10000, 99999)}", f"{r.randint(10000, 99999)}-{r.randint(1000, 9999)}",
-                     f"{r.choice('ABEGLMNSW')}{r.randint(1, 9)} {r.randint(1, 9)}{r.choice('ABDEFGHJ')}{r.choice('LNPQRSTUWXYZ')}"])
+    return r.choice(
+        [
+            f"{r.randint(10000, 99999)}",
+            f"{r.randint(10000, 99999)}-{r.randint(1000, 9999)}",
+            f"{r.choice('ABEGLMNSW')}{r.randint(1, 9)} "
+            f"{r.randint(1, 9)}{r.choice('ABDEFGHJ')}{r.choice('LNPQRSTUWXYZ')}",
+        ]
+    )
 
 
 def _phone(r: random.Random) -> str:
-    return r.choice([f"+44 20 {r.randint(1000, 9999)} {r.randint(1000, 9999)}", f"({r.randint(200, 999)}) {r.randint(200, 999)}-{r.randint(1000, 9999)}",
-                     f"+33 1 {r.randint(10, 99)} {r.randint(10, 99)} {r.randint(10, 99)} {r.randint(10, 99)}"])
+    return r.choice(
+        [
+            f"+44 20 {r.randint(1000, 9999)} {r.randint(1000, 9999)}",
+            f"({r.randint(200, 999)}) {r.randint(200, 999)}-{r.randint(1000, 9999)}",
+            f"+33 1 {r.randint(10, 99)} {r.randint(10, 99)} "
+            f"{r.randint(10, 99)} {r.randint(10, 99)}",
+        ]
+    )
 
 
 GENERATORS: dict[str, Callable[[random.Random], str]] = {
@@ -57,45 +157,124 @@ GENERATORS: dict[str, Callable[[random.Random], str]] = {
     "currency_amount": _money,
     "postal_code": _postal,
     "phone_number": _phone,
-    "email_address": lambda r: f"{r.choice(FIRST).lower()}.{r.choice(LAST).lower()}@{r.choice(WORDS)}.{r.choice(['com', 'org', 'io', 'de'])}",
-    "product_name": lambda r: f"{r.choice(COLOURS)} {r.choice(MATERIALS)} {r.choice(PRODUCTS)} {r.choice([250, 500, 750, 1000])} ml",
+    "email_address": lambda r: (
+        f"{r.choice(FIRST).lower()}.{r.choice(LAST).lower()}"
+        f"@{r.choice(WORDS)}.{r.choice(['com', 'org', 'io', 'de'])}"
+    ),
+    "product_name": lambda r: (
+        f"{r.choice(COLOURS)} {r.choice(MATERIALS)} "
+        f"{r.choice(PRODUCTS)} {r.choice([250, 500, 750, 1000])} ml"
+    ),
     "person_name": lambda r: f"{r.choice(FIRST)} {r.choice(LAST)}",
-    "company_name": lambda r: f"{r.choice(WORDS).title()}{r.choice(WORDS)} {r.choice(['Ltd', 'GmbH', 'Inc', 'SA', 'Traders'])}",
+    "company_name": lambda r: (
+        f"{r.choice(WORDS).title()}{r.choice(WORDS)} "
+        f"{r.choice(['Ltd', 'GmbH', 'Inc', 'SA', 'Traders'])}"
+    ),
     "country": lambda r: r.choice(COUNTRIES),
     "city": lambda r: r.choice(CITIES),
-    "order_id": lambda r: f"{r.choice(['ORD', 'SO', 'PO'])}-{r.randint(2019, 2025)}-{r.randint(1, 99999):05d}",
-    "url": lambda r: f"https://www.{r.choice(WORDS)}{r.choice(WORDS)}.{r.choice(['com', 'org', 'net'])}/{r.choice(WORDS)}",
+    "order_id": lambda r: (
+        f"{r.choice(['ORD', 'SO', 'PO'])}-{r.randint(2019, 2025)}"
+        f"-{r.randint(1, 99999):05d}"
+    ),
+    "url": lambda r: (
+        f"https://www.{r.choice(WORDS)}{r.choice(WORDS)}"
+        f".{r.choice(['com', 'org', 'net'])}/{r.choice(WORDS)}"
+    ),
 }
 # Headers per type: the first four appear in training, the last two only in evaluation.
 HEADERS = {
-    "date_of_birth": ["dob", "birth_date", "date of birth", "born", "birthday", "d_o_b"],
-    "currency_amount": ["amount", "price", "total", "cost", "amt_paid", "invoice value"],
+    "date_of_birth": [
+        "dob",
+        "birth_date",
+        "date of birth",
+        "born",
+        "birthday",
+        "d_o_b",
+    ],
+    "currency_amount": [
+        "amount",
+        "price",
+        "total",
+        "cost",
+        "amt_paid",
+        "invoice value",
+    ],
     "postal_code": ["zip", "postcode", "postal_code", "zip_code", "plz", "post code"],
     "phone_number": ["phone", "tel", "mobile", "phone_no", "contact number", "cell"],
-    "email_address": ["email", "e-mail", "mail", "email_address", "contact_email", "user mail"],
-    "product_name": ["product", "item", "product_name", "item description", "sku name", "article"],
-    "person_name": ["name", "customer", "full_name", "contact", "client name", "employee"],
-    "company_name": ["company", "vendor", "supplier", "organisation", "employer", "firm"],
+    "email_address": [
+        "email",
+        "e-mail",
+        "mail",
+        "email_address",
+        "contact_email",
+        "user mail",
+    ],
+    "product_name": [
+        "product",
+        "item",
+        "product_name",
+        "item description",
+        "sku name",
+        "article",
+    ],
+    "person_name": [
+        "name",
+        "customer",
+        "full_name",
+        "contact",
+        "client name",
+        "employee",
+    ],
+    "company_name": [
+        "company",
+        "vendor",
+        "supplier",
+        "organisation",
+        "employer",
+        "firm",
+    ],
     "country": ["country", "nation", "country_name", "ctry", "origin country", "land"],
     "city": ["city", "town", "city_name", "municipality", "locality", "place"],
-    "order_id": ["order", "order_id", "order number", "ref", "po number", "transaction"],
+    "order_id": [
+        "order",
+        "order_id",
+        "order number",
+        "ref",
+        "po number",
+        "transaction",
+    ],
     "url": ["url", "website", "link", "homepage", "web address", "site"],
 }
 LABELS = list(GENERATORS)
-CONFUSABLE = {"postal_code": "phone_number", "phone_number": "postal_code", "order_id": "postal_code",
-              "person_name": "company_name", "company_name": "person_name", "city": "country", "country": "city",
-              "email_address": "url", "url": "email_address", "product_name": "company_name",
-              "date_of_birth": "order_id", "currency_amount": "phone_number"}
+CONFUSABLE = {
+    "postal_code": "phone_number",
+    "phone_number": "postal_code",
+    "order_id": "postal_code",
+    "person_name": "company_name",
+    "company_name": "person_name",
+    "city": "country",
+    "country": "city",
+    "email_address": "url",
+    "url": "email_address",
+    "product_name": "company_name",
+    "date_of_birth": "order_id",
+    "currency_amount": "phone_number",
+}
 SYSTEM_PROMPT = "You name the semantic type of a table column. Answer with one label."
 
 # %% ../../nbs/46_tiny_world.ipynb #cd66a753
 def column_prompt(header: str, values: list[str]) -> str:
     "The user turn of the column-type task."
-    return f"Column: {header}\nValues: {'; '.join(values)}\nWhat is the semantic type of this column?"
+    return (
+        f"Column: {header}\nValues: {'; '.join(values)}\n"
+        "What is the semantic type of this column?"
+    )
 
 
 def make_column_examples(split: str, per_label: int, seed: int) -> list[dict[str, str]]:
-    "Distinct {'prompt', 'label', 'header'} rows; 'train' uses each type's first four headers, 'eval' the last two."
+    """Distinct {'prompt', 'label', 'header'} rows; 'train' uses each type's first four
+    headers, 'eval' the last two.
+    """
     r = random.Random(f"{seed}-{split}")
     rows, seen = [], set()
     for label in LABELS:
@@ -111,27 +290,55 @@ def make_column_examples(split: str, per_label: int, seed: int) -> list[dict[str
 
 
 def make_chat_examples(n: int, seed: int) -> list[dict]:
-    "Two-turn conversations (OpenAI format): classify a column, then say which values gave it away."
+    """Two-turn conversations (OpenAI format): classify a column, then say which values
+    gave it away.
+    """
     r = random.Random(f"{seed}-chat")
     out = []
-    for row in make_column_examples("train", per_label=n // len(LABELS) + 1, seed=seed + 1)[:n]:
+    for row in make_column_examples(
+        "train", per_label=n // len(LABELS) + 1, seed=seed + 1
+    )[:n]:
         evidence = row["prompt"].split("Values: ")[1].split("\n")[0].split("; ")[0]
-        out.append({"messages": [
-            {"role": "system", "content": SYSTEM_PROMPT},
-            {"role": "user", "content": row["prompt"]},
-            {"role": "assistant", "content": row["label"]},
-            {"role": "user", "content": r.choice(["Why?", "What gave it away?", "How do you know?"])},
-            {"role": "assistant", "content": f"The values look like {row['label'].replace('_', ' ')}s, for example {evidence}."}]})
+        out.append(
+            {
+                "messages": [
+                    {"role": "system", "content": SYSTEM_PROMPT},
+                    {"role": "user", "content": row["prompt"]},
+                    {"role": "assistant", "content": row["label"]},
+                    {
+                        "role": "user",
+                        "content": r.choice(
+                            ["Why?", "What gave it away?", "How do you know?"]
+                        ),
+                    },
+                    {
+                        "role": "assistant",
+                        "content": "The values look like "
+                        f"{row['label'].replace('_', ' ')}s, for example {evidence}.",
+                    },
+                ]
+            }
+        )
     return out
 
 
 def make_preference_examples(per_label: int, seed: int) -> list[dict]:
-    "Pairs with the right label chosen and a plausible wrong one (its usual confusion) rejected."
+    """Pairs with the right label chosen and a plausible wrong one (its usual confusion)
+    rejected.
+    """
     out = []
     for row in make_column_examples("train", per_label=per_label, seed=seed + 2):
-        prompt = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": row["prompt"]}]
-        out.append({"chosen": prompt + [{"role": "assistant", "content": row["label"]}],
-                    "rejected": prompt + [{"role": "assistant", "content": CONFUSABLE[row["label"]]}]})
+        prompt = [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": row["prompt"]},
+        ]
+        out.append(
+            {
+                "chosen": prompt + [{"role": "assistant", "content": row["label"]}],
+                "rejected": prompt
+                + [{"role": "assistant", "content": CONFUSABLE[row["label"]]}],
+            }
+        )
     return out
 
 # %% ../../nbs/46_tiny_world.ipynb #c16c42a9
@@ -139,42 +346,92 @@ TINY_SPECIAL_TOKENS = ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 
 
 def _write_jsonl(rows: list, path: Path) -> None:
-    path.write_text("".join(json.dumps(row, ensure_ascii=False, sort_keys=True) + "\n" for row in rows), encoding="utf-8")
+    path.write_text(
+        "".join(
+            json.dumps(row, ensure_ascii=False, sort_keys=True) + "\n" for row in rows
+        ),
+        encoding="utf-8",
+    )
 
 
 def build_tiny_world(out_dir: Union[str, Path], seed: int = 0) -> list[Path]:
-    "Write the tiny world's data files and tokenizer into `out_dir`; returns the files written."
+    """Write the tiny world's data files and tokenizer into `out_dir`; returns the files
+    written.
+    """
     import sentencepiece as spm
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    files = {"column_types_train.jsonl": make_column_examples("train", per_label=40, seed=seed),
-             "column_types_eval.jsonl": make_column_examples("eval", per_label=8, seed=seed),
-             "chat.jsonl": make_chat_examples(96, seed=seed),
-             "preference.jsonl": make_preference_examples(per_label=16, seed=seed)}
+    files = {
+        "column_types_train.jsonl": make_column_examples(
+            "train", per_label=40, seed=seed
+        ),
+        "column_types_eval.jsonl": make_column_examples("eval", per_label=8, seed=seed),
+        "chat.jsonl": make_chat_examples(96, seed=seed),
+        "preference.jsonl": make_preference_examples(per_label=16, seed=seed),
+    }
     for name, rows in files.items():
         _write_jsonl(rows, out / name)
     corpus = (TINY_ASSETS / "corpus.txt").read_text(encoding="utf-8")
-    lines = corpus.splitlines() + [r["prompt"] + "\n" + r["label"] for r in files["column_types_train.jsonl"]]
-    lines += [m["content"] for row in files["chat.jsonl"] for m in row["messages"]] + ["system", "user", "assistant"] * 50
-    model = io.BytesIO()   # trained from memory, so no file path ends up inside the model file
+    lines = corpus.splitlines() + [
+        r["prompt"] + "\n" + r["label"] for r in files["column_types_train.jsonl"]
+    ]
+    lines += [m["content"] for row in files["chat.jsonl"] for m in row["messages"]] + [
+        "system",
+        "user",
+        "assistant",
+    ] * 50
+    # trained from memory, so no file path ends up inside the model file
+    model = io.BytesIO()
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(lines), model_writer=model, vocab_size=2048, model_type="bpe",
-        byte_fallback=True, normalization_rule_name="identity", remove_extra_whitespaces=False, add_dummy_prefix=False,
-        num_threads=1, pad_id=0, unk_id=1, bos_id=2, eos_id=3, bos_piece="<|begin_of_text|>", eos_piece="<|end_of_text|>",
-        user_defined_symbols=TINY_SPECIAL_TOKENS, minloglevel=2)
+        sentence_iterator=iter(lines),
+        model_writer=model,
+        vocab_size=2048,
+        model_type="bpe",
+        byte_fallback=True,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        add_dummy_prefix=False,
+        num_threads=1,
+        pad_id=0,
+        unk_id=1,
+        bos_id=2,
+        eos_id=3,
+        bos_piece="<|begin_of_text|>",
+        eos_piece="<|end_of_text|>",
+        user_defined_symbols=TINY_SPECIAL_TOKENS,
+        minloglevel=2,
+    )
     (out / "tokenizer.model").write_bytes(model.getvalue())
     paragraphs = [p.strip() for p in corpus.split("\n\n") if p.strip()]
-    _write_jsonl([{"text": t} for t in paragraphs + [r["prompt"] for r in files["column_types_train.jsonl"]]],
-                 out / "pretrain.jsonl")
+    _write_jsonl(
+        [
+            {"text": t}
+            for t in paragraphs
+            + [r["prompt"] for r in files["column_types_train.jsonl"]]
+        ],
+        out / "pretrain.jsonl",
+    )
     from torchtune_lit.models.tiny import tiny_llama_hf_config
+
     (out / "base").mkdir(exist_ok=True)
-    (out / "base" / "config.json").write_text(json.dumps(tiny_llama_hf_config(), indent=2, sort_keys=True) + "\n")
-    return sorted(out / name for name in [*files, "tokenizer.model", "pretrain.jsonl", "base/config.json"])
+    (out / "base" / "config.json").write_text(
+        json.dumps(tiny_llama_hf_config(), indent=2, sort_keys=True) + "\n"
+    )
+    return sorted(
+        out / name
+        for name in [*files, "tokenizer.model", "pretrain.jsonl", "base/config.json"]
+    )
 
 # %% ../../nbs/46_tiny_world.ipynb #f2fe9ebd
 def tiny_tokenizer(path: Union[str, Path, None] = None, max_seq_len: int = 256):
-    "The shipped tiny tokenizer (default: the package's assets/tiny/tokenizer.model) with the Llama 3 chat format."
+    """The shipped tiny tokenizer (default: the package's assets/tiny/tokenizer.model)
+    with the Llama 3 chat format.
+    """
     from torchtune_lit.tokenizers._base import SentencePieceBaseTokenizer
     from torchtune_lit.tokenizers._chat import Llama3Format, ModelTokenizer
+
     path = path or TINY_ASSETS / "tokenizer.model"
-    return ModelTokenizer(SentencePieceBaseTokenizer(path), Llama3Format(), max_seq_len=max_seq_len)
+    return ModelTokenizer(
+        SentencePieceBaseTokenizer(path), Llama3Format(), max_seq_len=max_seq_len
+    )

@@ -11,12 +11,22 @@ from typing import Optional, Sequence, Union
 import torch
 
 from ..data._collate import left_pad_sequence
-from ..modules.attention_utils import get_causal_mask_from_padding_mask, get_position_ids_from_padding_mask
+from torchtune_lit.modules.attention_utils import (
+    get_causal_mask_from_padding_mask,
+    get_position_ids_from_padding_mask,
+)
 
 # %% ../../nbs/90_generation.ipynb #ad4fa180
-def sample(logits: torch.Tensor, temperature: float = 1.0, top_k: Optional[int] = None, top_p: Optional[float] = None,
-           rng: Optional[torch.Generator] = None) -> torch.Tensor:
-    "Next token ids [batch] from last-position logits [batch, vocab]; temperature 0 means greedy."
+def sample(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    rng: Optional[torch.Generator] = None,
+) -> torch.Tensor:
+    """Next token ids [batch] from last-position logits [batch, vocab]; temperature 0
+    means greedy.
+    """
     if temperature == 0.0:
         return logits.argmax(dim=-1)
     logits = logits.float() / temperature
@@ -26,39 +36,66 @@ def sample(logits: torch.Tensor, temperature: float = 1.0, top_k: Optional[int] 
     if top_p is not None:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        remove = cumulative - sorted_logits.softmax(-1) >= top_p          # keep tokens until the mass reaches top_p
+        # keep tokens until the mass reaches top_p
+        remove = cumulative - sorted_logits.softmax(-1) >= top_p
         sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+        logits = torch.full_like(logits, float("-inf")).scatter(
+            -1, order, sorted_logits
+        )
     probs = logits.softmax(-1)
     return torch.multinomial(probs, num_samples=1, generator=rng).squeeze(-1)
 
 # %% ../../nbs/90_generation.ipynb #46a73a29
 @torch.no_grad()
-def generate(model: torch.nn.Module, prompt_tokens: Union[torch.Tensor, Sequence[Sequence[int]]], max_new_tokens: int,
-             temperature: float = 0.0, top_k: Optional[int] = None, top_p: Optional[float] = None,
-             stop_tokens: Optional[Sequence[int]] = None, rng: Optional[torch.Generator] = None,
-             pad_id: int = 0) -> list[list[int]]:
-    """Generate up to `max_new_tokens` after each prompt (a [seq] / [batch, seq] tensor or a list of token lists of any
-    lengths); returns the new tokens of each prompt, ending at (and including) a stop token when one is produced."""
+def generate(
+    model: torch.nn.Module,
+    prompt_tokens: Union[torch.Tensor, Sequence[Sequence[int]]],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    stop_tokens: Optional[Sequence[int]] = None,
+    rng: Optional[torch.Generator] = None,
+    pad_id: int = 0,
+) -> list[list[int]]:
+    """Generate up to `max_new_tokens` after each prompt (a [seq] / [batch, seq] tensor
+    or a list of token lists of any lengths); returns the new tokens of each prompt,
+    ending at (and including) a stop token when one is produced.
+    """
     if isinstance(prompt_tokens, torch.Tensor) and prompt_tokens.dim() == 1:
         prompt_tokens = prompt_tokens[None]
     prompts = [torch.as_tensor(p, dtype=torch.long) for p in prompt_tokens]
     device = next(model.parameters()).device
     tokens = left_pad_sequence(prompts, pad_id).to(device)
-    padding = left_pad_sequence([torch.ones(len(p), dtype=torch.bool) for p in prompts], False).to(device)
+    padding = left_pad_sequence(
+        [torch.ones(len(p), dtype=torch.bool) for p in prompts], False
+    ).to(device)
     batch, prompt_len = tokens.shape
     total = prompt_len + max_new_tokens
     if total > model.max_seq_len:
-        raise ValueError(f"prompt ({prompt_len}) + max_new_tokens ({max_new_tokens}) exceeds the model's max_seq_len "
-                         f"{model.max_seq_len}; shorten the prompt or lower max_new_tokens.")
+        raise ValueError(
+            f"prompt ({prompt_len}) + max_new_tokens ({max_new_tokens}) "
+            f"exceeds the model's max_seq_len {model.max_seq_len}; shorten the "
+            "prompt or lower max_new_tokens."
+        )
     dtype = next(model.parameters()).dtype
     was_training = model.training
     model.eval()
     model.setup_caches(batch_size=batch, dtype=dtype, decoder_max_seq_len=total)
     try:
-        visible = torch.cat([padding, torch.zeros(batch, max_new_tokens, dtype=torch.bool, device=device)], dim=1)
+        visible = torch.cat(
+            [
+                padding,
+                torch.zeros(batch, max_new_tokens, dtype=torch.bool, device=device),
+            ],
+            dim=1,
+        )
         positions = get_position_ids_from_padding_mask(padding)
-        logits = model(tokens, mask=get_causal_mask_from_padding_mask(padding, target_seq_len=total), input_pos=positions)
+        logits = model(
+            tokens,
+            mask=get_causal_mask_from_padding_mask(padding, target_seq_len=total),
+            input_pos=positions,
+        )
         next_pos = positions[:, -1] + 1
         stop = torch.tensor(list(stop_tokens or []), device=device)
         done = torch.zeros(batch, dtype=torch.bool, device=device)
@@ -72,7 +109,10 @@ def generate(model: torch.nn.Module, prompt_tokens: Union[torch.Tensor, Sequence
                 break
             column = prompt_len + step
             visible[:, column] = True
-            mask = visible[:, None, :] & (torch.arange(total, device=device) <= column)[None, None, :]
+            mask = (
+                visible[:, None, :]
+                & (torch.arange(total, device=device) <= column)[None, None, :]
+            )
             logits = model(token[:, None], mask=mask, input_pos=next_pos[:, None])
             next_pos = next_pos + 1
     finally:

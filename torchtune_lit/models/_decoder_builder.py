@@ -13,65 +13,145 @@ from torch import nn
 from ..modules.attention import MultiHeadAttention
 from ..modules.feed_forward import FeedForward
 from ..modules.rms_norm import GemmaRMSNorm, RMSNorm
-from ..modules.transformer import TiedLinear, TransformerDecoder, TransformerSelfAttentionLayer
+from torchtune_lit.modules.transformer import (
+    TiedLinear,
+    TransformerDecoder,
+    TransformerSelfAttentionLayer,
+)
 
 # %% ../../nbs/20_decoder_builder.ipynb #3a620e65
 NORMS = {"rms": RMSNorm, "gemma": GemmaRMSNorm}
 
 
-def build_mlp(dim: int, hidden_dim: int, activation: Optional[nn.Module] = None) -> FeedForward:
+def build_mlp(
+    dim: int, hidden_dim: int, activation: Optional[nn.Module] = None
+) -> FeedForward:
     "A bias-free gated MLP (SwiGLU by default)."
-    return FeedForward(gate_proj=nn.Linear(dim, hidden_dim, bias=False), down_proj=nn.Linear(hidden_dim, dim, bias=False),
-                       up_proj=nn.Linear(dim, hidden_dim, bias=False), activation=activation or nn.SiLU())
+    return FeedForward(
+        gate_proj=nn.Linear(dim, hidden_dim, bias=False),
+        down_proj=nn.Linear(hidden_dim, dim, bias=False),
+        up_proj=nn.Linear(dim, hidden_dim, bias=False),
+        activation=activation or nn.SiLU(),
+    )
 
 
-def build_attention(*, embed_dim: int, num_heads: int, num_kv_heads: int, head_dim: int, rope: nn.Module,
-                    max_seq_len: int, attn_bias: bool = False, attn_dropout: float = 0.0,
-                    attn_scale: Optional[float] = None, attn_softcapping: Optional[float] = None,
-                    sliding_window: Optional[int] = None) -> MultiHeadAttention:
-    "Grouped-query attention with `nn.Linear` projections (q/k/v biases when `attn_bias`; never on the output)."
+def build_attention(
+    *,
+    embed_dim: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    rope: nn.Module,
+    max_seq_len: int,
+    attn_bias: bool = False,
+    attn_dropout: float = 0.0,
+    attn_scale: Optional[float] = None,
+    attn_softcapping: Optional[float] = None,
+    sliding_window: Optional[int] = None,
+) -> MultiHeadAttention:
+    """Grouped-query attention with `nn.Linear` projections (q/k/v biases when
+    `attn_bias`; never on the output).
+    """
     return MultiHeadAttention(
-        embed_dim=embed_dim, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        embed_dim=embed_dim,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
         q_proj=nn.Linear(embed_dim, num_heads * head_dim, bias=attn_bias),
         k_proj=nn.Linear(embed_dim, num_kv_heads * head_dim, bias=attn_bias),
         v_proj=nn.Linear(embed_dim, num_kv_heads * head_dim, bias=attn_bias),
         output_proj=nn.Linear(num_heads * head_dim, embed_dim, bias=False),
-        pos_embeddings=rope, max_seq_len=max_seq_len, attn_dropout=attn_dropout,
-        scale=attn_scale, softcapping=attn_softcapping, sliding_window=sliding_window)
+        pos_embeddings=rope,
+        max_seq_len=max_seq_len,
+        attn_dropout=attn_dropout,
+        scale=attn_scale,
+        softcapping=attn_softcapping,
+        sliding_window=sliding_window,
+    )
 
 
-def build_decoder(*, vocab_size: int, num_layers: int, num_heads: int, num_kv_heads: int, embed_dim: int,
-                  intermediate_dim: int, max_seq_len: int, rope: nn.Module, head_dim: Optional[int] = None,
-                  norm_eps: float = 1e-5, norm: str = "rms", post_norms: bool = False, attn_bias: bool = False,
-                  attn_dropout: float = 0.0, mlp_activation: Optional[nn.Module] = None,
-                  tie_word_embeddings: bool = False, attn_scale: Optional[float] = None,
-                  attn_softcapping: Optional[float] = None, sliding_window: Optional[int] = None,
-                  sliding_layers: Optional[Sequence[int]] = None, embed_scale: Optional[float] = None,
-                  final_logit_softcapping: Optional[float] = None) -> TransformerDecoder:
-    """A decoder-only transformer with the given architecture; every family builder calls this.
+def build_decoder(
+    *,
+    vocab_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    embed_dim: int,
+    intermediate_dim: int,
+    max_seq_len: int,
+    rope: nn.Module,
+    head_dim: Optional[int] = None,
+    norm_eps: float = 1e-5,
+    norm: str = "rms",
+    post_norms: bool = False,
+    attn_bias: bool = False,
+    attn_dropout: float = 0.0,
+    mlp_activation: Optional[nn.Module] = None,
+    tie_word_embeddings: bool = False,
+    attn_scale: Optional[float] = None,
+    attn_softcapping: Optional[float] = None,
+    sliding_window: Optional[int] = None,
+    sliding_layers: Optional[Sequence[int]] = None,
+    embed_scale: Optional[float] = None,
+    final_logit_softcapping: Optional[float] = None,
+) -> TransformerDecoder:
+    """A decoder-only transformer with the given architecture; every family builder
+    calls this.
 
-    `rope` is shared by all layers. `sliding_window` applies to the layers listed in `sliding_layers` (default:
-    all layers). `norm` is 'rms' or 'gemma'; `post_norms` adds norms after attention and after the MLP."""
+    `rope` is shared by all layers. `sliding_window` applies to the layers listed in
+    `sliding_layers` (default: all layers). `norm` is 'rms' or 'gemma'; `post_norms`
+    adds norms after attention and after the MLP.
+    """
     if norm not in NORMS:
         raise ValueError(f"norm={norm!r} is not one of {sorted(NORMS)}.")
     if head_dim is None:
         if embed_dim % num_heads:
-            raise ValueError(f"embed_dim ({embed_dim}) is not divisible by num_heads ({num_heads}); pass head_dim.")
+            raise ValueError(
+                f"embed_dim ({embed_dim}) is not divisible by num_heads "
+                f"({num_heads}); pass head_dim."
+            )
         head_dim = embed_dim // num_heads
     make_norm = lambda: NORMS[norm](embed_dim, eps=norm_eps)
     windowed = set(range(num_layers) if sliding_layers is None else sliding_layers)
     layers = []
     for i in range(num_layers):
-        attn = build_attention(embed_dim=embed_dim, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                               rope=rope, max_seq_len=max_seq_len, attn_bias=attn_bias, attn_dropout=attn_dropout,
-                               attn_scale=attn_scale, attn_softcapping=attn_softcapping,
-                               sliding_window=sliding_window if i in windowed else None)
-        layers.append(TransformerSelfAttentionLayer(
-            attn=attn, mlp=build_mlp(embed_dim, intermediate_dim, mlp_activation),
-            sa_norm=make_norm(), mlp_norm=make_norm(),
-            sa_scale=make_norm() if post_norms else None, mlp_scale=make_norm() if post_norms else None))
+        attn = build_attention(
+            embed_dim=embed_dim,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            rope=rope,
+            max_seq_len=max_seq_len,
+            attn_bias=attn_bias,
+            attn_dropout=attn_dropout,
+            attn_scale=attn_scale,
+            attn_softcapping=attn_softcapping,
+            sliding_window=sliding_window if i in windowed else None,
+        )
+        layers.append(
+            TransformerSelfAttentionLayer(
+                attn=attn,
+                mlp=build_mlp(embed_dim, intermediate_dim, mlp_activation),
+                sa_norm=make_norm(),
+                mlp_norm=make_norm(),
+                sa_scale=make_norm() if post_norms else None,
+                mlp_scale=make_norm() if post_norms else None,
+            )
+        )
     embeddings = nn.Embedding(vocab_size, embed_dim)
-    output = TiedLinear(embeddings) if tie_word_embeddings else nn.Linear(embed_dim, vocab_size, bias=False)
-    return TransformerDecoder(tok_embeddings=embeddings, layers=layers, max_seq_len=max_seq_len, num_heads=num_heads,
-                              head_dim=head_dim, norm=make_norm(), output=output, embed_scale=embed_scale,
-                              final_logit_softcapping=final_logit_softcapping)
+    output = (
+        TiedLinear(embeddings)
+        if tie_word_embeddings
+        else nn.Linear(embed_dim, vocab_size, bias=False)
+    )
+    return TransformerDecoder(
+        tok_embeddings=embeddings,
+        layers=layers,
+        max_seq_len=max_seq_len,
+        num_heads=num_heads,
+        head_dim=head_dim,
+        norm=make_norm(),
+        output=output,
+        embed_scale=embed_scale,
+        final_logit_softcapping=final_logit_softcapping,
+    )

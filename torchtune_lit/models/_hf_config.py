@@ -14,58 +14,98 @@ from typing import Any, Union
 from torch import nn
 
 from ._decoder_builder import build_decoder
-from ..modules.position_embeddings import Llama3ScaledRoPE, RotaryPositionalEmbeddings
+from torchtune_lit.modules.position_embeddings import (
+    Llama3ScaledRoPE,
+    RotaryPositionalEmbeddings,
+)
 from ..modules.transformer import TransformerDecoder
 
 # %% ../../nbs/31_hf_config.ipynb #3ae29ede
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gemma2")
-_TIED_BY_DEFAULT = {"llama": False, "mistral": False, "qwen2": False, "gemma2": True}  # transformers' config defaults
+# transformers' config defaults
+_TIED_BY_DEFAULT = {"llama": False, "mistral": False, "qwen2": False, "gemma2": True}
 
 
 def read_hf_config(path_or_dict: Union[str, Path, dict]) -> dict[str, Any]:
-    "The config as a dict, from a dict, a `config.json` path, or a checkpoint folder containing one."
+    """The config as a dict, from a dict, a `config.json` path, or a checkpoint folder
+    containing one.
+    """
     if isinstance(path_or_dict, dict):
         return dict(path_or_dict)
     path = Path(path_or_dict)
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist: a Hugging Face checkpoint folder holds a config.json "
-                                "beside its safetensors files (tunelit download fetches both).")
+        raise FileNotFoundError(
+            f"{path} does not exist: a Hugging Face checkpoint "
+            "folder holds a config.json beside its safetensors files (tunelit "
+            "download fetches both)."
+        )
     return json.loads(path.read_text())
 
 
-def rope_from_hf_config(cfg: dict[str, Any], head_dim: int, max_seq_len: int) -> nn.Module:
-    "RoPE (plain or Llama 3.1-scaled) from either `rope_parameters` (transformers 5) or `rope_theta`/`rope_scaling`."
+def rope_from_hf_config(
+    cfg: dict[str, Any], head_dim: int, max_seq_len: int
+) -> nn.Module:
+    """RoPE (plain or Llama 3.1-scaled) from either `rope_parameters` (transformers 5)
+    or `rope_theta`/`rope_scaling`.
+    """
     params = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
     base = params.get("rope_theta", cfg.get("rope_theta", 10_000.0))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
-        return RotaryPositionalEmbeddings(dim=head_dim, max_seq_len=max_seq_len, base=base)
+        return RotaryPositionalEmbeddings(
+            dim=head_dim, max_seq_len=max_seq_len, base=base
+        )
     if rope_type == "llama3":
-        return Llama3ScaledRoPE(dim=head_dim, max_seq_len=max_seq_len, base=base, scale_factor=params["factor"],
-                                low_freq_factor=params["low_freq_factor"], high_freq_factor=params["high_freq_factor"],
-                                old_context_len=params["original_max_position_embeddings"])
-    raise NotImplementedError(f"rope_type {rope_type!r} is not supported yet (supported: 'default', 'llama3').")
+        return Llama3ScaledRoPE(
+            dim=head_dim,
+            max_seq_len=max_seq_len,
+            base=base,
+            scale_factor=params["factor"],
+            low_freq_factor=params["low_freq_factor"],
+            high_freq_factor=params["high_freq_factor"],
+            old_context_len=params["original_max_position_embeddings"],
+        )
+    raise NotImplementedError(
+        f"rope_type {rope_type!r} is not supported yet "
+        "(supported: 'default', 'llama3')."
+    )
 
 
 def _family_settings(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
     "build_decoder's family switches for this config."
     layers = cfg["num_hidden_layers"]
     if model_type == "gemma2":
-        layer_types = cfg.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
-        return dict(norm="gemma", post_norms=True, mlp_activation=nn.GELU(approximate="tanh"),
-                    attn_scale=cfg["query_pre_attn_scalar"] ** -0.5, attn_softcapping=cfg.get("attn_logit_softcapping"),
-                    final_logit_softcapping=cfg.get("final_logit_softcapping"), embed_scale=math.sqrt(cfg["hidden_size"]),
-                    sliding_window=cfg.get("sliding_window"),
-                    sliding_layers=[i for i, t in enumerate(layer_types) if t == "sliding_attention"])
+        layer_types = cfg.get("layer_types") or [
+            "sliding_attention" if i % 2 == 0 else "full_attention"
+            for i in range(layers)
+        ]
+        return dict(
+            norm="gemma",
+            post_norms=True,
+            mlp_activation=nn.GELU(approximate="tanh"),
+            attn_scale=cfg["query_pre_attn_scalar"] ** -0.5,
+            attn_softcapping=cfg.get("attn_logit_softcapping"),
+            final_logit_softcapping=cfg.get("final_logit_softcapping"),
+            embed_scale=math.sqrt(cfg["hidden_size"]),
+            sliding_window=cfg.get("sliding_window"),
+            sliding_layers=[
+                i for i, t in enumerate(layer_types) if t == "sliding_attention"
+            ],
+        )
     activation = cfg.get("hidden_act", "silu")
     if activation != "silu" or cfg.get("mlp_bias"):
-        raise NotImplementedError(f"{model_type} with hidden_act={activation!r}, mlp_bias={cfg.get('mlp_bias')} "
-                                  "is not supported (SwiGLU without MLP bias is).")
+        raise NotImplementedError(
+            f"{model_type} with hidden_act={activation!r}, "
+            f"mlp_bias={cfg.get('mlp_bias')} is not supported (SwiGLU without MLP "
+            "bias is)."
+        )
     if model_type == "qwen2":
         if cfg.get("use_sliding_window"):
-            raise NotImplementedError("Qwen 2 with use_sliding_window=true is not supported yet.")
+            raise NotImplementedError(
+                "Qwen 2 with use_sliding_window=true is not supported yet."
+            )
         return dict(attn_bias=True)
     if model_type == "mistral":
         return dict(sliding_window=cfg.get("sliding_window"))
@@ -73,18 +113,33 @@ def _family_settings(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
 
 
 def build_from_hf_config(path_or_dict: Union[str, Path, dict]) -> TransformerDecoder:
-    "The decoder that a Hugging Face `config.json` (path, folder or dict) describes: Llama 3.x, Mistral, Qwen 2/2.5 or Gemma 2."
+    """The decoder that a Hugging Face `config.json` (path, folder or dict) describes:
+    Llama 3.x, Mistral, Qwen 2/2.5 or Gemma 2.
+    """
     cfg = read_hf_config(path_or_dict)
     model_type = cfg.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise NotImplementedError(f"model_type {model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}.")
+        raise NotImplementedError(
+            f"model_type {model_type!r} is not supported; "
+            f"supported: {SUPPORTED_MODEL_TYPES}."
+        )
     num_heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
     max_seq_len = cfg["max_position_embeddings"]
     return build_decoder(
-        vocab_size=cfg["vocab_size"], num_layers=cfg["num_hidden_layers"], num_heads=num_heads,
-        num_kv_heads=cfg.get("num_key_value_heads") or num_heads, embed_dim=cfg["hidden_size"],
-        intermediate_dim=cfg["intermediate_size"], max_seq_len=max_seq_len, head_dim=head_dim,
-        norm_eps=cfg.get("rms_norm_eps", 1e-6), attn_dropout=cfg.get("attention_dropout", 0.0),
-        tie_word_embeddings=cfg.get("tie_word_embeddings", _TIED_BY_DEFAULT[model_type]),
-        rope=rope_from_hf_config(cfg, head_dim, max_seq_len), **_family_settings(cfg, model_type))
+        vocab_size=cfg["vocab_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+        embed_dim=cfg["hidden_size"],
+        intermediate_dim=cfg["intermediate_size"],
+        max_seq_len=max_seq_len,
+        head_dim=head_dim,
+        norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        attn_dropout=cfg.get("attention_dropout", 0.0),
+        tie_word_embeddings=cfg.get(
+            "tie_word_embeddings", _TIED_BY_DEFAULT[model_type]
+        ),
+        rope=rope_from_hf_config(cfg, head_dim, max_seq_len),
+        **_family_settings(cfg, model_type),
+    )

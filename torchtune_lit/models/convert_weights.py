@@ -14,15 +14,25 @@ import torch
 
 # %% ../../nbs/30_convert_weights.ipynb #c845a16e
 def permute_hf_to_meta(t: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
-    "Reorder the rows of a q/k projection weight [heads*head_dim, in] or bias [heads*head_dim] from rotate-half to interleaved pairs."
+    """Reorder the rows of a q/k projection weight [heads*head_dim, in] or bias
+    [heads*head_dim] from rotate-half to interleaved pairs.
+    """
     rest = t.shape[1:]
-    return t.reshape(num_heads, 2, head_dim // 2, *rest).transpose(1, 2).reshape(num_heads * head_dim, *rest)
+    return (
+        t.reshape(num_heads, 2, head_dim // 2, *rest)
+        .transpose(1, 2)
+        .reshape(num_heads * head_dim, *rest)
+    )
 
 
 def permute_meta_to_hf(t: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
     "Inverse of `permute_hf_to_meta`: interleaved pairs back to rotate-half order."
     rest = t.shape[1:]
-    return t.reshape(num_heads, head_dim // 2, 2, *rest).transpose(1, 2).reshape(num_heads * head_dim, *rest)
+    return (
+        t.reshape(num_heads, head_dim // 2, 2, *rest)
+        .transpose(1, 2)
+        .reshape(num_heads * head_dim, *rest)
+    )
 
 # %% ../../nbs/30_convert_weights.ipynb #386683f6
 _COMMON = {
@@ -42,11 +52,18 @@ _COMMON = {
     "model.layers.{}.input_layernorm.weight": "layers.{}.sa_norm.scale",
 }
 KEY_MAPS = {
-    "llama": {**_COMMON, "model.layers.{}.post_attention_layernorm.weight": "layers.{}.mlp_norm.scale"},
-    "gemma2": {**_COMMON,
-               "model.layers.{}.post_attention_layernorm.weight": "layers.{}.sa_scale.scale",
-               "model.layers.{}.pre_feedforward_layernorm.weight": "layers.{}.mlp_norm.scale",
-               "model.layers.{}.post_feedforward_layernorm.weight": "layers.{}.mlp_scale.scale"},
+    "llama": {
+        **_COMMON,
+        "model.layers.{}.post_attention_layernorm.weight": "layers.{}.mlp_norm.scale",
+    },
+    "gemma2": {
+        **_COMMON,
+        "model.layers.{}.post_attention_layernorm.weight": "layers.{}.sa_scale.scale",
+        "model.layers.{}.pre_feedforward_layernorm.weight": "layers.{}.mlp_norm.scale",
+        "model.layers.{}.post_feedforward_layernorm.weight": (
+            "layers.{}.mlp_scale.scale"
+        ),
+    },
 }
 KEY_MAPS["qwen2"] = KEY_MAPS["mistral"] = KEY_MAPS["llama"]
 _IGNORED_HF_KEYS = re.compile(r".*rotary_emb\.inv_freq$")
@@ -54,7 +71,9 @@ _ROPE_ROWS = re.compile(r"layers\.\d+\.attn\.([qk])_proj\.(weight|bias)$")
 
 
 class CheckpointConversionError(KeyError):
-    "A checkpoint key with no counterpart in the other format; the message lists them and the family used."
+    """A checkpoint key with no counterpart in the other format; the message lists them
+    and the family used.
+    """
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0])
@@ -62,12 +81,16 @@ class CheckpointConversionError(KeyError):
 
 def _key_map(model_type: str) -> dict[str, str]:
     if model_type not in KEY_MAPS:
-        raise ValueError(f"unknown model_type {model_type!r}: known families are {sorted(KEY_MAPS)}.")
+        raise ValueError(
+            f"unknown model_type {model_type!r}: known families are {sorted(KEY_MAPS)}."
+        )
     return KEY_MAPS[model_type]
 
 
 def _translate(key: str, table: dict[str, str]) -> Optional[str]:
-    "The other format's name for `key` using `table` (layer numbers carried over), or None."
+    """The other format's name for `key` using `table` (layer numbers carried over), or
+    None.
+    """
     match = re.search(r"\.(\d+)\.", key)
     generic = key.replace(match.group(0), ".{}.", 1) if match else key
     if generic not in table:
@@ -75,17 +98,28 @@ def _translate(key: str, table: dict[str, str]) -> Optional[str]:
     return table[generic].format(match.group(1)) if match else table[generic]
 
 # %% ../../nbs/30_convert_weights.ipynb #8d518ecd
-def hf_to_tune(state_dict: dict[str, torch.Tensor], num_heads: int, num_kv_heads: int, dim: int,
-               head_dim: Optional[int] = None, model_type: str = "llama",
-               tie_word_embeddings: bool = False) -> dict[str, torch.Tensor]:
-    """A Hugging Face state dict in torchtune_lit's key format, q/k rows permuted for interleaved RoPE.
+def hf_to_tune(
+    state_dict: dict[str, torch.Tensor],
+    num_heads: int,
+    num_kv_heads: int,
+    dim: int,
+    head_dim: Optional[int] = None,
+    model_type: str = "llama",
+    tie_word_embeddings: bool = False,
+) -> dict[str, torch.Tensor]:
+    """A Hugging Face state dict in torchtune_lit's key format, q/k rows permuted for
+    interleaved RoPE.
 
-    `model_type` is the checkpoint's `config.json` model_type (llama, mistral, qwen2, gemma2). With tied embeddings
-    an `lm_head.weight` in the checkpoint is dropped (it is the embedding matrix)."""
+    `model_type` is the checkpoint's `config.json` model_type (llama, mistral, qwen2,
+    gemma2). With tied embeddings an `lm_head.weight` in the checkpoint is dropped (it
+    is the embedding matrix).
+    """
     table, head_dim = _key_map(model_type), head_dim or dim // num_heads
     converted, unknown = {}, []
     for key, value in state_dict.items():
-        if _IGNORED_HF_KEYS.match(key) or (tie_word_embeddings and key == "lm_head.weight"):
+        if _IGNORED_HF_KEYS.match(key) or (
+            tie_word_embeddings and key == "lm_head.weight"
+        ):
             continue
         new_key = _translate(key, table)
         if new_key is None:
@@ -98,15 +132,25 @@ def hf_to_tune(state_dict: dict[str, torch.Tensor], num_heads: int, num_kv_heads
         converted[new_key] = value
     if unknown:
         raise CheckpointConversionError(
-            f"{len(unknown)} checkpoint key(s) have no counterpart in a {model_type} model, e.g. {unknown[:5]}. "
-            "Check the checkpointer's model_type against the checkpoint's config.json.")
+            f"{len(unknown)} checkpoint key(s) have no counterpart in a {model_type} "
+            f"model, e.g. {unknown[:5]}. Check the checkpointer's model_type against "
+            "the checkpoint's config.json."
+        )
     return converted
 
 
-def tune_to_hf(state_dict: dict[str, torch.Tensor], num_heads: int, num_kv_heads: int, dim: int,
-               head_dim: Optional[int] = None, model_type: str = "llama",
-               tie_word_embeddings: bool = False) -> dict[str, torch.Tensor]:
-    "Inverse of `hf_to_tune`: torchtune_lit keys back to Hugging Face names and rotate-half row order."
+def tune_to_hf(
+    state_dict: dict[str, torch.Tensor],
+    num_heads: int,
+    num_kv_heads: int,
+    dim: int,
+    head_dim: Optional[int] = None,
+    model_type: str = "llama",
+    tie_word_embeddings: bool = False,
+) -> dict[str, torch.Tensor]:
+    """Inverse of `hf_to_tune`: torchtune_lit keys back to Hugging Face names and
+    rotate-half row order.
+    """
     reverse = {ours: theirs for theirs, ours in _key_map(model_type).items()}
     head_dim = head_dim or dim // num_heads
     converted, unknown = {}, []
@@ -122,19 +166,41 @@ def tune_to_hf(state_dict: dict[str, torch.Tensor], num_heads: int, num_kv_heads
         converted[new_key] = value
     if unknown:
         raise CheckpointConversionError(
-            f"{len(unknown)} key(s) of the model have no Hugging Face name for {model_type}, e.g. {unknown[:5]}.")
+            f"{len(unknown)} key(s) of the model have no Hugging Face name for "
+            f"{model_type}, e.g. {unknown[:5]}."
+        )
     return converted
 
 # %% ../../nbs/30_convert_weights.ipynb #76891738
-PEFT_MODULE_NAMES = {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj", "output_proj": "o_proj",
-                     "w1": "gate_proj", "w2": "down_proj", "w3": "up_proj", "output": "lm_head"}
+PEFT_MODULE_NAMES = {
+    "q_proj": "q_proj",
+    "k_proj": "k_proj",
+    "v_proj": "v_proj",
+    "output_proj": "o_proj",
+    "w1": "gate_proj",
+    "w2": "down_proj",
+    "w3": "up_proj",
+    "output": "lm_head",
+}
 _ADAPTER_KEY = re.compile(r"^(.*)\.(lora_a\.weight|lora_b\.weight|magnitude)$")
-_PEFT_SUFFIX = {"lora_a.weight": "lora_A.weight", "lora_b.weight": "lora_B.weight", "magnitude": "lora_magnitude_vector"}
+_PEFT_SUFFIX = {
+    "lora_a.weight": "lora_A.weight",
+    "lora_b.weight": "lora_B.weight",
+    "magnitude": "lora_magnitude_vector",
+}
 
 
-def tune_to_peft_adapter_weights(state_dict: dict[str, torch.Tensor], num_heads: int, num_kv_heads: int, dim: int,
-                                 head_dim: Optional[int] = None, model_type: str = "llama") -> dict[str, torch.Tensor]:
-    "Our adapter state dict (`...q_proj.lora_a.weight`) in PEFT's keys and q/k row order."
+def tune_to_peft_adapter_weights(
+    state_dict: dict[str, torch.Tensor],
+    num_heads: int,
+    num_kv_heads: int,
+    dim: int,
+    head_dim: Optional[int] = None,
+    model_type: str = "llama",
+) -> dict[str, torch.Tensor]:
+    """Our adapter state dict (`...q_proj.lora_a.weight`) in PEFT's keys and q/k row
+    order.
+    """
     reverse = {ours: theirs for theirs, ours in _key_map(model_type).items()}
     head_dim = head_dim or dim // num_heads
     converted = {}
@@ -142,23 +208,49 @@ def tune_to_peft_adapter_weights(state_dict: dict[str, torch.Tensor], num_heads:
         match = _ADAPTER_KEY.match(key)
         hf_base = _translate(f"{match.group(1)}.weight", reverse) if match else None
         if hf_base is None:
-            raise CheckpointConversionError(f"{key!r} is not an adapter key of a {model_type} model.")
+            raise CheckpointConversionError(
+                f"{key!r} is not an adapter key of a {model_type} model."
+            )
         suffix = match.group(2)
         rope_rows = _ROPE_ROWS.search(f"{match.group(1)}.weight")
         if rope_rows and suffix != "lora_a.weight":
-            value = permute_meta_to_hf(value, num_heads if rope_rows.group(1) == "q" else num_kv_heads, head_dim)
-        converted[f"base_model.model.{hf_base[: -len('.weight')]}.{_PEFT_SUFFIX[suffix]}"] = value
+            value = permute_meta_to_hf(
+                value,
+                num_heads if rope_rows.group(1) == "q" else num_kv_heads,
+                head_dim,
+            )
+        converted[
+            f"base_model.model.{hf_base[: -len('.weight')]}.{_PEFT_SUFFIX[suffix]}"
+        ] = value
     return converted
 
 
-def tune_to_peft_adapter_config(adapter_config: dict, base_model_name_or_path: Optional[str] = None) -> dict:
-    "PEFT's adapter_config.json from ours: {'r', 'lora_alpha', 'target_modules' (our names), 'use_dora', ...}."
+def tune_to_peft_adapter_config(
+    adapter_config: dict, base_model_name_or_path: Optional[str] = None
+) -> dict:
+    """PEFT's adapter_config.json from ours: {'r', 'lora_alpha', 'target_modules' (our
+    names), 'use_dora', ...}.
+    """
     unknown = sorted(set(adapter_config["target_modules"]) - set(PEFT_MODULE_NAMES))
     if unknown:
-        raise ValueError(f"target_modules {unknown} have no transformers name; known: {sorted(PEFT_MODULE_NAMES)}.")
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": adapter_config["r"],
-            "lora_alpha": adapter_config["lora_alpha"],
-            "target_modules": sorted(PEFT_MODULE_NAMES[m] for m in adapter_config["target_modules"]),
-            "use_dora": bool(adapter_config.get("use_dora", False)), "lora_dropout": adapter_config.get("lora_dropout", 0.0),
-            "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
-            "modules_to_save": None, "base_model_name_or_path": base_model_name_or_path}
+        raise ValueError(
+            f"target_modules {unknown} have no transformers name; "
+            f"known: {sorted(PEFT_MODULE_NAMES)}."
+        )
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": adapter_config["r"],
+        "lora_alpha": adapter_config["lora_alpha"],
+        "target_modules": sorted(
+            PEFT_MODULE_NAMES[m] for m in adapter_config["target_modules"]
+        ),
+        "use_dora": bool(adapter_config.get("use_dora", False)),
+        "lora_dropout": adapter_config.get("lora_dropout", 0.0),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "modules_to_save": None,
+        "base_model_name_or_path": base_model_name_or_path,
+    }

@@ -10,27 +10,70 @@ from .llama3 import llama3
 from ..modules.transformer import TransformerDecoder
 
 
-def tiny_llama(vocab_size: int = 2048, num_layers: int = 4, num_heads: int = 8, num_kv_heads: int = 4,
-               embed_dim: int = 256, intermediate_dim: int = 768, max_seq_len: int = 512,
-               rope_base: int = 10_000, norm_eps: float = 1e-5) -> TransformerDecoder:
-    "A Llama 3-architecture decoder small enough to train on a CPU in seconds; every argument can be changed."
-    return llama3(vocab_size=vocab_size, num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                  embed_dim=embed_dim, max_seq_len=max_seq_len, rope_base=rope_base,
-                  intermediate_dim=intermediate_dim, norm_eps=norm_eps)
+def tiny_llama(
+    vocab_size: int = 2048,
+    num_layers: int = 4,
+    num_heads: int = 8,
+    num_kv_heads: int = 4,
+    embed_dim: int = 256,
+    intermediate_dim: int = 768,
+    max_seq_len: int = 512,
+    rope_base: int = 10_000,
+    norm_eps: float = 1e-5,
+) -> TransformerDecoder:
+    """A Llama 3-architecture decoder small enough to train on a CPU in seconds; every
+    argument can be changed.
+    """
+    return llama3(
+        vocab_size=vocab_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        embed_dim=embed_dim,
+        max_seq_len=max_seq_len,
+        rope_base=rope_base,
+        intermediate_dim=intermediate_dim,
+        norm_eps=norm_eps,
+    )
 
 # %% ../../nbs/28_tiny.ipynb #a08f9b97
-def tiny_llama_hf_config(vocab_size: int = 2048, num_layers: int = 4, num_heads: int = 8, num_kv_heads: int = 4,
-                         embed_dim: int = 256, intermediate_dim: int = 768, max_seq_len: int = 512,
-                         rope_base: int = 10_000, norm_eps: float = 1e-5, bos_token_id: int = 2,
-                         eos_token_id: int = 3) -> dict:
-    "A transformers `LlamaConfig` dict describing `tiny_llama(...)` with the same arguments."
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab_size,
-            "hidden_size": embed_dim, "intermediate_size": intermediate_dim, "num_hidden_layers": num_layers,
-            "num_attention_heads": num_heads, "num_key_value_heads": num_kv_heads, "head_dim": embed_dim // num_heads,
-            "max_position_embeddings": max_seq_len, "rms_norm_eps": norm_eps, "hidden_act": "silu",
-            "rope_parameters": {"rope_type": "default", "rope_theta": float(rope_base)}, "attention_bias": False,
-            "mlp_bias": False, "tie_word_embeddings": False, "bos_token_id": bos_token_id, "eos_token_id": eos_token_id,
-            "torch_dtype": "float32"}
+def tiny_llama_hf_config(
+    vocab_size: int = 2048,
+    num_layers: int = 4,
+    num_heads: int = 8,
+    num_kv_heads: int = 4,
+    embed_dim: int = 256,
+    intermediate_dim: int = 768,
+    max_seq_len: int = 512,
+    rope_base: int = 10_000,
+    norm_eps: float = 1e-5,
+    bos_token_id: int = 2,
+    eos_token_id: int = 3,
+) -> dict:
+    """A transformers `LlamaConfig` dict describing `tiny_llama(...)` with the same
+    arguments.
+    """
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab_size,
+        "hidden_size": embed_dim,
+        "intermediate_size": intermediate_dim,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "head_dim": embed_dim // num_heads,
+        "max_position_embeddings": max_seq_len,
+        "rms_norm_eps": norm_eps,
+        "hidden_act": "silu",
+        "rope_parameters": {"rope_type": "default", "rope_theta": float(rope_base)},
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "bos_token_id": bos_token_id,
+        "eos_token_id": eos_token_id,
+        "torch_dtype": "float32",
+    }
 
 # %% ../../nbs/28_tiny.ipynb #4312d4f6
 from ..modules.peft import lora_builder

@@ -11,10 +11,27 @@ from . import attention_utils
 from .attention import MultiHeadAttention
 from .feed_forward import FeedForward
 from .kv_cache import KVCache
-from .position_embeddings import Llama3ScaledRoPE, RotaryPositionalEmbeddings
+from torchtune_lit.modules.position_embeddings import (
+    Llama3ScaledRoPE,
+    RotaryPositionalEmbeddings,
+)
 from .rms_norm import GemmaRMSNorm, RMSNorm
-from .transformer import TiedLinear, TransformerDecoder, TransformerSelfAttentionLayer
+from torchtune_lit.modules.transformer import (
+    TiedLinear,
+    TransformerDecoder,
+    TransformerSelfAttentionLayer,
+)
 
-_all_ = ["attention_utils", "MultiHeadAttention", "FeedForward", "KVCache", "Llama3ScaledRoPE",
-         "RotaryPositionalEmbeddings", "GemmaRMSNorm", "RMSNorm", "TiedLinear", "TransformerDecoder",
-         "TransformerSelfAttentionLayer"]
+_all_ = [
+    "attention_utils",
+    "MultiHeadAttention",
+    "FeedForward",
+    "KVCache",
+    "Llama3ScaledRoPE",
+    "RotaryPositionalEmbeddings",
+    "GemmaRMSNorm",
+    "RMSNorm",
+    "TiedLinear",
+    "TransformerDecoder",
+    "TransformerSelfAttentionLayer",
+]

@@ -17,45 +17,103 @@ from .kv_cache import KVCache
 
 # %% ../../nbs/14_attention.ipynb #92ab8fa2
 class MultiHeadAttention(nn.Module):
-    """Multi-head attention covering MHA, GQA and MQA (`num_heads` a multiple of `num_kv_heads`).
+    """Multi-head attention covering MHA, GQA and MQA (`num_heads` a multiple of
+    `num_kv_heads`).
 
-    The projections, positional embedding and optional per-head `q_norm`/`k_norm` are given as modules.
-    `forward(x, y=None, *, mask=None, input_pos=None)`: `x` is [batch, seq, embed_dim]; keys and values come from
-    `y` when given, else from `x`; `mask` is boolean [batch, seq, seq_kv], True where a query may attend (default:
-    causal); `input_pos` holds token positions for RoPE and for causality under a KV cache or sliding window.
-    `scale` replaces 1/sqrt(head_dim); `softcapping` applies c*tanh(scores/c); `sliding_window` limits how far
-    back a query may look."""
+    The projections, positional embedding and optional per-head `q_norm`/`k_norm` are
+    given as modules. `forward(x, y=None, *, mask=None, input_pos=None)`: `x` is [batch,
+    seq, embed_dim]; keys and values come from `y` when given, else from `x`; `mask` is
+    boolean [batch, seq, seq_kv], True where a query may attend (default: causal);
+    `input_pos` holds token positions for RoPE and for causality under a KV cache or
+    sliding window. `scale` replaces 1/sqrt(head_dim); `softcapping` applies
+    c*tanh(scores/c); `sliding_window` limits how far back a query may look.
+    """
 
-    def __init__(self, *, embed_dim: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 q_proj: nn.Module, k_proj: nn.Module, v_proj: nn.Module, output_proj: nn.Module,
-                 pos_embeddings: Optional[nn.Module] = None, q_norm: Optional[nn.Module] = None,
-                 k_norm: Optional[nn.Module] = None, kv_cache: Optional[KVCache] = None, max_seq_len: int = 4096,
-                 is_causal: bool = True, attn_dropout: float = 0.0, scale: Optional[float] = None,
-                 softcapping: Optional[float] = None, sliding_window: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        *,
+        embed_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        q_proj: nn.Module,
+        k_proj: nn.Module,
+        v_proj: nn.Module,
+        output_proj: nn.Module,
+        pos_embeddings: Optional[nn.Module] = None,
+        q_norm: Optional[nn.Module] = None,
+        k_norm: Optional[nn.Module] = None,
+        kv_cache: Optional[KVCache] = None,
+        max_seq_len: int = 4096,
+        is_causal: bool = True,
+        attn_dropout: float = 0.0,
+        scale: Optional[float] = None,
+        softcapping: Optional[float] = None,
+        sliding_window: Optional[int] = None,
+    ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
-            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads}): "
-                             "each key/value head serves a whole group of query heads.")
+            raise ValueError(
+                f"num_heads ({num_heads}) must be a multiple of "
+                f"num_kv_heads ({num_kv_heads}): each key/value head serves a whole "
+                "group of query heads."
+            )
         if not 0.0 <= attn_dropout <= 1.0:
             raise ValueError(f"attn_dropout must be in [0, 1], got {attn_dropout}.")
-        self.embed_dim, self.num_heads, self.num_kv_heads, self.head_dim = embed_dim, num_heads, num_kv_heads, head_dim
-        self.max_seq_len, self.is_causal, self.attn_dropout = max_seq_len, is_causal, attn_dropout
-        self.scale, self.softcapping, self.sliding_window = scale, softcapping, sliding_window
-        self.q_proj, self.k_proj, self.v_proj, self.output_proj = q_proj, k_proj, v_proj, output_proj
-        self.pos_embeddings, self.q_norm, self.k_norm, self.kv_cache = pos_embeddings, q_norm, k_norm, kv_cache
+        self.embed_dim, self.num_heads, self.num_kv_heads, self.head_dim = (
+            embed_dim,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+        )
+        self.max_seq_len, self.is_causal, self.attn_dropout = (
+            max_seq_len,
+            is_causal,
+            attn_dropout,
+        )
+        self.scale, self.softcapping, self.sliding_window = (
+            scale,
+            softcapping,
+            sliding_window,
+        )
+        self.q_proj, self.k_proj, self.v_proj, self.output_proj = (
+            q_proj,
+            k_proj,
+            v_proj,
+            output_proj,
+        )
+        self.pos_embeddings, self.q_norm, self.k_norm, self.kv_cache = (
+            pos_embeddings,
+            q_norm,
+            k_norm,
+            kv_cache,
+        )
 
-    def setup_cache(self, batch_size: int, dtype: torch.dtype, max_seq_len: int) -> None:
+    def setup_cache(
+        self, batch_size: int, dtype: torch.dtype, max_seq_len: int
+    ) -> None:
         "Give this layer a KV cache for incremental decoding."
         device = self.q_proj.weight.device if hasattr(self.q_proj, "weight") else None
-        self.kv_cache = KVCache(batch_size, max_seq_len, self.num_kv_heads, self.head_dim, dtype).to(device)
+        self.kv_cache = KVCache(
+            batch_size, max_seq_len, self.num_kv_heads, self.head_dim, dtype
+        ).to(device)
 
     def reset_cache(self) -> None:
         if self.kv_cache is None:
-            raise RuntimeError("reset_cache called but this layer has no KV cache; call setup_cache first.")
+            raise RuntimeError(
+                "reset_cache called but this layer has no KV cache; "
+                "call setup_cache first."
+            )
         self.kv_cache.reset()
 
-    def forward(self, x: torch.Tensor, y: Optional[torch.Tensor] = None, *,
-                mask: Optional[torch.Tensor] = None, input_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        y: Optional[torch.Tensor] = None,
+        *,
+        mask: Optional[torch.Tensor] = None,
+        input_pos: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         b, s, _ = x.shape
         y = x if y is None else y
         q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)
@@ -64,66 +122,117 @@ class MultiHeadAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         positions = input_pos
-        if positions is None and self.kv_cache is not None:  # decoding: continue after what the cache holds
-            positions = torch.arange(self.kv_cache.size, self.kv_cache.size + s, device=x.device)
+        # decoding: continue after what the cache holds
+        if positions is None and self.kv_cache is not None:
+            positions = torch.arange(
+                self.kv_cache.size, self.kv_cache.size + s, device=x.device
+            )
         if self.pos_embeddings is not None:
             q = self.pos_embeddings(q, input_pos=positions)
             k = self.pos_embeddings(k, input_pos=positions)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))          # [b, heads, seq, head_dim]
+        # [b, heads, seq, head_dim]
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if self.kv_cache is not None:
             k, v = self.kv_cache.update(k, v)
         mask = self._attention_mask(mask, positions, s, k.shape[2], x.device)
         group = self.num_heads // self.num_kv_heads
         dropout = self.attn_dropout if self.training else 0.0
-        if self.softcapping is None:                                # GQA inside SDPA: no repeated k/v in memory
-            compute = sdpa_compute_dtype(q.dtype, q.device, k.shape[2], self.head_dim) if mask is None else q.dtype
+        # GQA inside SDPA: no repeated k/v in memory
+        if self.softcapping is None:
+            compute = (
+                sdpa_compute_dtype(q.dtype, q.device, k.shape[2], self.head_dim)
+                if mask is None
+                else q.dtype
+            )
             out = F.scaled_dot_product_attention(
-                q.to(compute), k.to(compute), v.to(compute), attn_mask=None if mask is None else mask[:, None],
-                dropout_p=dropout, is_causal=self.is_causal and mask is None, scale=self.scale,
-                enable_gqa=group > 1).to(q.dtype)
+                q.to(compute),
+                k.to(compute),
+                v.to(compute),
+                attn_mask=None if mask is None else mask[:, None],
+                dropout_p=dropout,
+                is_causal=self.is_causal and mask is None,
+                scale=self.scale,
+                enable_gqa=group > 1,
+            ).to(q.dtype)
         else:
-            if group > 1:                                           # GQA: each kv head serves `group` query heads
+            # GQA: each kv head serves `group` query heads
+            if group > 1:
                 k = k.repeat_interleave(group, dim=1)
                 v = v.repeat_interleave(group, dim=1)
             out = self._explicit_attention(q, k, v, mask, dropout)
-        return self.output_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
+        return self.output_proj(
+            out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim)
+        )
 
-    def _attention_mask(self, mask: Optional[torch.Tensor], positions: Optional[torch.Tensor], s_q: int, s_kv: int,
-                        device: torch.device) -> Optional[torch.Tensor]:
-        "The boolean [b|1, s_q, s_kv] mask to use, or None when SDPA's own causal (or no) masking is exact."
-        if mask is None and self.kv_cache is None and self.sliding_window is None and self.softcapping is None:
+    def _attention_mask(
+        self,
+        mask: Optional[torch.Tensor],
+        positions: Optional[torch.Tensor],
+        s_q: int,
+        s_kv: int,
+        device: torch.device,
+    ) -> Optional[torch.Tensor]:
+        """The boolean [b|1, s_q, s_kv] mask to use, or None when SDPA's own causal (or
+        no) masking is exact.
+        """
+        if (
+            mask is None
+            and self.kv_cache is None
+            and self.sliding_window is None
+            and self.softcapping is None
+        ):
             return None
         q_pos = positions if positions is not None else torch.arange(s_q, device=device)
-        q_pos = q_pos.view(-1, s_q)                                 # [b|1, s_q]
+        q_pos = q_pos.view(-1, s_q)  # [b|1, s_q]
         if self.kv_cache is None and positions is not None and s_kv == s_q:
-            kv_pos = q_pos                                          # packed rows: keys share the queries' positions
+            # packed rows: keys share the queries' positions
+            kv_pos = q_pos
         else:
             kv_pos = torch.arange(s_kv, device=device).view(1, s_kv)
-        distance = q_pos[:, :, None] - kv_pos[:, None, :]          # query position - key position
+        # query position - key position
+        distance = q_pos[:, :, None] - kv_pos[:, None, :]
         if mask is None:
-            mask = distance >= 0 if self.is_causal else torch.ones_like(distance, dtype=torch.bool)
+            mask = (
+                distance >= 0
+                if self.is_causal
+                else torch.ones_like(distance, dtype=torch.bool)
+            )
         if self.sliding_window is not None:
             mask = mask & (distance < self.sliding_window)
         return mask
 
     def _explicit_attention(self, q, k, v, mask, dropout: float) -> torch.Tensor:
-        "softmax(cap(q k^T * scale) + mask) v, the softmax in fp32: the path for soft-capped scores."
-        scores = (q @ k.transpose(-1, -2)) * (self.scale if self.scale is not None else self.head_dim ** -0.5)
+        """softmax(cap(q k^T * scale) + mask) v, the softmax in fp32: the path for
+        soft-capped scores.
+        """
+        scores = (q @ k.transpose(-1, -2)) * (
+            self.scale if self.scale is not None else self.head_dim**-0.5
+        )
         if self.softcapping is not None:
             scores = torch.tanh(scores / self.softcapping) * self.softcapping
         if mask is not None:
             scores = scores.masked_fill(~mask[:, None], float("-inf"))
-        probs = F.dropout(scores.float().softmax(-1).type_as(q), p=dropout, training=dropout > 0)
+        probs = F.dropout(
+            scores.float().softmax(-1).type_as(q), p=dropout, training=dropout > 0
+        )
         return probs @ v
 
 # %% ../../nbs/14_attention.ipynb #a044ab0d
-CPU_FP32_ATTENTION_MAX_SEQ = 256          # up to here (and ...
-CPU_FP32_ATTENTION_MAX = 16_384           # ... seq_len x head_dim up to here) CPU flash attention is faster in fp32
+CPU_FP32_ATTENTION_MAX_SEQ = 256  # up to here (and ...
+# ... seq_len x head_dim up to here) CPU flash attention is faster in fp32
+CPU_FP32_ATTENTION_MAX = 16_384
 
 
-def sdpa_compute_dtype(dtype: torch.dtype, device: torch.device, seq_len: int, head_dim: int) -> torch.dtype:
-    "The dtype SDPA runs in: fp32 for short bf16 sequences on a CPU (faster there, see above), else `dtype`."
-    short = seq_len <= CPU_FP32_ATTENTION_MAX_SEQ and seq_len * head_dim <= CPU_FP32_ATTENTION_MAX
+def sdpa_compute_dtype(
+    dtype: torch.dtype, device: torch.device, seq_len: int, head_dim: int
+) -> torch.dtype:
+    """The dtype SDPA runs in: fp32 for short bf16 sequences on a CPU (faster there, see
+    above), else `dtype`.
+    """
+    short = (
+        seq_len <= CPU_FP32_ATTENTION_MAX_SEQ
+        and seq_len * head_dim <= CPU_FP32_ATTENTION_MAX
+    )
     if torch.device(device).type == "cpu" and dtype == torch.bfloat16 and short:
         return torch.float32
     return dtype

@@ -17,16 +17,24 @@ def causal_mask(seq_len: int, device: Optional[torch.device] = None) -> torch.Te
     return torch.tril(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device))
 
 
-def get_causal_mask_from_padding_mask(padding_mask: torch.Tensor, target_seq_len: Optional[int] = None) -> torch.Tensor:
-    """Causal mask that also hides padded keys: [batch, seq, target_seq_len] from `padding_mask` [batch, seq].
+def get_causal_mask_from_padding_mask(
+    padding_mask: torch.Tensor, target_seq_len: Optional[int] = None
+) -> torch.Tensor:
+    """Causal mask that also hides padded keys: [batch, seq, target_seq_len] from
+    `padding_mask` [batch, seq].
 
-    `padding_mask` is True at real tokens. The diagonal is always kept, so a padded query still attends to itself
-    and its (unused) output is finite rather than NaN. `target_seq_len` (>= seq) widens the key axis, e.g. to a
-    KV cache's length; the extra keys are hidden."""
+    `padding_mask` is True at real tokens. The diagonal is always kept, so a padded
+    query still attends to itself and its (unused) output is finite rather than NaN.
+    `target_seq_len` (>= seq) widens the key axis, e.g. to a KV cache's length; the
+    extra keys are hidden.
+    """
     batch, seq_len = padding_mask.shape
     target_seq_len = target_seq_len or seq_len
     if target_seq_len < seq_len:
-        raise ValueError(f"target_seq_len ({target_seq_len}) must be at least the sequence length ({seq_len}).")
+        raise ValueError(
+            f"target_seq_len ({target_seq_len}) must be at least the "
+            f"sequence length ({seq_len})."
+        )
     mask = causal_mask(seq_len, padding_mask.device)[None] & padding_mask[:, None, :]
     mask = mask | torch.eye(seq_len, dtype=torch.bool, device=padding_mask.device)[None]
     if target_seq_len > seq_len:
@@ -35,18 +43,25 @@ def get_causal_mask_from_padding_mask(padding_mask: torch.Tensor, target_seq_len
 
 
 def get_position_ids_from_padding_mask(padding_mask: torch.Tensor) -> torch.Tensor:
-    "Positions [batch, seq] that start at 0 on each row's first real token (left padding gets 0)."
+    """Positions [batch, seq] that start at 0 on each row's first real token (left
+    padding gets 0).
+    """
     return ((padding_mask.cumsum(-1) - 1) * padding_mask).long()
 
 
 def create_block_causal_mask(seq_lens: Sequence[Sequence[int]]) -> torch.Tensor:
-    """Block-causal mask [batch, total, total] for packed rows: row b holds samples of lengths `seq_lens[b]`.
+    """Block-causal mask [batch, total, total] for packed rows: row b holds samples of
+    lengths `seq_lens[b]`.
 
-    Each sample attends causally to itself only. Every row must have the same total length (pad with a final
-    'sample' of padding, which then only attends to itself)."""
+    Each sample attends causally to itself only. Every row must have the same total
+    length (pad with a final 'sample' of padding, which then only attends to itself).
+    """
     totals = {sum(lens) for lens in seq_lens}
     if len(totals) != 1:
-        raise ValueError(f"packed rows must have one total length, got {sorted(totals)}: pad the shorter rows.")
+        raise ValueError(
+            "packed rows must have one total length, got "
+            f"{sorted(totals)}: pad the shorter rows."
+        )
     rows = []
     for lens in seq_lens:
         blocks = [causal_mask(int(n)) for n in lens]
@@ -56,4 +71,6 @@ def create_block_causal_mask(seq_lens: Sequence[Sequence[int]]) -> torch.Tensor:
 
 def packed_position_ids(seq_lens: Sequence[Sequence[int]]) -> torch.Tensor:
     "Positions [batch, total] restarting at 0 at the start of every packed sample."
-    return torch.stack([torch.cat([torch.arange(int(n)) for n in lens]) for lens in seq_lens])
+    return torch.stack(
+        [torch.cat([torch.arange(int(n)) for n in lens]) for lens in seq_lens]
+    )

@@ -13,14 +13,28 @@ from torch import nn
 
 # %% ../../nbs/15_feed_forward.ipynb #9e8ae243
 class FeedForward(nn.Module):
-    """Gated MLP: `down_proj(activation(gate_proj(x)) * up_proj(x))`; without `up_proj`, `down_proj(activation(gate_proj(x)))`.
+    """Gated MLP: `down_proj(activation(gate_proj(x)) * up_proj(x))`; without `up_proj`,
+    `down_proj(activation(gate_proj(x)))`.
 
-    The projections are given as modules so LoRA can replace them; `activation` defaults to SiLU (SwiGLU)."""
+    The projections are given as modules so LoRA can replace them; `activation` defaults
+    to SiLU (SwiGLU).
+    """
 
-    def __init__(self, *, gate_proj: nn.Module, down_proj: nn.Module, up_proj: Optional[nn.Module] = None,
-                 activation: nn.Module = nn.SiLU()) -> None:
+    def __init__(
+        self,
+        *,
+        gate_proj: nn.Module,
+        down_proj: nn.Module,
+        up_proj: Optional[nn.Module] = None,
+        activation: nn.Module = nn.SiLU(),
+    ) -> None:
         super().__init__()
-        self.w1, self.w2, self.w3, self.activation = gate_proj, down_proj, up_proj, activation
+        self.w1, self.w2, self.w3, self.activation = (
+            gate_proj,
+            down_proj,
+            up_proj,
+            activation,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hidden = self.activation(self.w1(x))

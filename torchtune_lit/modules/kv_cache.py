@@ -11,16 +11,29 @@ from torch import nn
 
 # %% ../../nbs/13_kv_cache.ipynb #3394cd9a
 class KVCache(nn.Module):
-    """Fixed-size cache of keys and values, [batch, num_kv_heads, max_seq_len, head_dim] each.
+    """Fixed-size cache of keys and values, [batch, num_kv_heads, max_seq_len, head_dim]
+    each.
 
-    `update(k, v)` appends along the sequence axis and returns the full buffers; `size` is the number of positions
-    written; `reset()` empties it."""
+    `update(k, v)` appends along the sequence axis and returns the full buffers; `size`
+    is the number of positions written; `reset()` empties it.
+    """
 
-    def __init__(self, batch_size: int, max_seq_len: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        batch_size: int,
+        max_seq_len: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+    ) -> None:
         super().__init__()
         shape = (batch_size, num_kv_heads, max_seq_len, head_dim)
-        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype), persistent=False)
-        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype), persistent=False)
+        self.register_buffer(
+            "k_cache", torch.zeros(shape, dtype=dtype), persistent=False
+        )
+        self.register_buffer(
+            "v_cache", torch.zeros(shape, dtype=dtype), persistent=False
+        )
         self.batch_size, self.max_seq_len, self.size = batch_size, max_seq_len, 0
 
     def reset(self) -> None:
@@ -28,15 +41,23 @@ class KVCache(nn.Module):
         self.v_cache.zero_()
         self.size = 0
 
-    def update(self, k_val: torch.Tensor, v_val: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, k_val: torch.Tensor, v_val: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         batch, _, seq_len, _ = k_val.shape
         if batch > self.batch_size:
-            raise ValueError(f"batch of {batch} is larger than the KV cache's batch_size {self.batch_size}; "
-                             "call setup_caches with a larger batch_size.")
+            raise ValueError(
+                f"batch of {batch} is larger than the KV cache's "
+                f"batch_size {self.batch_size}; call setup_caches with a larger "
+                "batch_size."
+            )
         if self.size + seq_len > self.max_seq_len:
-            raise ValueError(f"KV cache full: {self.size} positions stored + {seq_len} new > max_seq_len "
-                             f"{self.max_seq_len}. Call setup_caches with a larger decoder_max_seq_len or reset_caches.")
-        self.k_cache[:batch, :, self.size:self.size + seq_len] = k_val
-        self.v_cache[:batch, :, self.size:self.size + seq_len] = v_val
+            raise ValueError(
+                f"KV cache full: {self.size} positions stored + "
+                f"{seq_len} new > max_seq_len {self.max_seq_len}. Call setup_caches "
+                "with a larger decoder_max_seq_len or reset_caches."
+            )
+        self.k_cache[:batch, :, self.size : self.size + seq_len] = k_val
+        self.v_cache[:batch, :, self.size : self.size + seq_len] = v_val
         self.size += seq_len
         return self.k_cache[:batch], self.v_cache[:batch]

@@ -13,16 +13,21 @@ from torch import nn
 
 # %% ../../nbs/11_position_embeddings.ipynb #95f38846
 class RotaryPositionalEmbeddings(nn.Module):
-    """Rotary positional embeddings (RoFormer 2021) in Meta's interleaved-pair convention.
+    """Rotary positional embeddings (RoFormer 2021) in Meta's interleaved-pair
+    convention.
 
-    `dim` is the head dimension, `max_seq_len` the longest position cached, `base` the frequency base.
-    Call on `x` of shape [batch, seq, heads, head_dim]; `input_pos` ([batch, seq] or [seq]) gives each token's
-    position, default 0..seq-1."""
+    `dim` is the head dimension, `max_seq_len` the longest position cached, `base` the
+    frequency base. Call on `x` of shape [batch, seq, heads, head_dim]; `input_pos`
+    ([batch, seq] or [seq]) gives each token's position, default 0..seq-1.
+    """
 
     def __init__(self, dim: int, max_seq_len: int = 4096, base: int = 10_000) -> None:
         super().__init__()
         if dim % 2:
-            raise ValueError(f"RoPE rotates pairs of channels, so the head dimension must be even, got {dim}.")
+            raise ValueError(
+                "RoPE rotates pairs of channels, so the head dimension "
+                f"must be even, got {dim}."
+            )
         self.dim, self.base, self.max_seq_len = dim, base, max_seq_len
         self.rope_init()
 
@@ -35,33 +40,57 @@ class RotaryPositionalEmbeddings(nn.Module):
         return 1.0 / (self.base ** (torch.arange(0, self.dim, 2).float() / self.dim))
 
     def build_rope_cache(self, max_seq_len: int) -> None:
-        "Cache cos and sin of position * theta for every position: shape [max_seq_len, dim/2, 2]."
-        positions = torch.arange(max_seq_len, dtype=torch.float32, device=self.theta.device)
+        """Cache cos and sin of position * theta for every position: shape [max_seq_len,
+        dim/2, 2].
+        """
+        positions = torch.arange(
+            max_seq_len, dtype=torch.float32, device=self.theta.device
+        )
         angles = torch.outer(positions, self.theta.float())
-        self.register_buffer("cache", torch.stack([angles.cos(), angles.sin()], dim=-1), persistent=False)
+        self.register_buffer(
+            "cache", torch.stack([angles.cos(), angles.sin()], dim=-1), persistent=False
+        )
 
-    def forward(self, x: torch.Tensor, *, input_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, *, input_pos: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         seq_len = x.size(1)
         if input_pos is None:
             if seq_len > self.max_seq_len:
-                raise ValueError(f"sequence length {seq_len} exceeds RoPE's max_seq_len {self.max_seq_len}; "
-                                 "build the model with a larger max_seq_len or truncate the input.")
-            rope = self.cache[:seq_len].unsqueeze(0)               # [1, s, d/2, 2]
+                raise ValueError(
+                    f"sequence length {seq_len} exceeds RoPE's "
+                    f"max_seq_len {self.max_seq_len}; build the model with a larger "
+                    "max_seq_len or truncate the input."
+                )
+            rope = self.cache[:seq_len].unsqueeze(0)  # [1, s, d/2, 2]
         else:
-            rope = self.cache[input_pos]                            # [b, s, d/2, 2] or [s, d/2, 2]
+            # [b, s, d/2, 2] or [s, d/2, 2]
+            rope = self.cache[input_pos]
             if rope.dim() == 3:
                 rope = rope.unsqueeze(0)
-        turn = torch.view_as_complex(rope.float().unsqueeze(2).contiguous())    # [b, s, 1, d/2]: cos + i sin
-        pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)).contiguous())  # [b, s, h, d/2]: x0 + i x1
+        # [b, s, 1, d/2]: cos + i sin
+        turn = torch.view_as_complex(rope.float().unsqueeze(2).contiguous())
+        # [b, s, h, d/2]: x0 + i x1
+        pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)).contiguous())
         return torch.view_as_real(pairs * turn).flatten(3).type_as(x)
 
 # %% ../../nbs/11_position_embeddings.ipynb #8aa41b60
 class Llama3ScaledRoPE(RotaryPositionalEmbeddings):
-    """RoPE with Llama 3.1's frequency scaling: low frequencies slowed by `scale_factor`, high ones kept,
-    a smooth blend in between (see the formula above). Llama 3.1 uses scale_factor 8, Llama 3.2 uses 32."""
+    """RoPE with Llama 3.1's frequency scaling: low frequencies slowed by
+    `scale_factor`, high ones kept, a smooth blend in between (see the formula above).
+    Llama 3.1 uses scale_factor 8, Llama 3.2 uses 32.
+    """
 
-    def __init__(self, dim: int, max_seq_len: int = 131_072, base: int = 500_000, scale_factor: float = 8.0,
-                 low_freq_factor: float = 1.0, high_freq_factor: float = 4.0, old_context_len: int = 8192) -> None:
+    def __init__(
+        self,
+        dim: int,
+        max_seq_len: int = 131_072,
+        base: int = 500_000,
+        scale_factor: float = 8.0,
+        low_freq_factor: float = 1.0,
+        high_freq_factor: float = 4.0,
+        old_context_len: int = 8192,
+    ) -> None:
         self.scale_factor, self.low_freq_factor = scale_factor, low_freq_factor
         self.high_freq_factor, self.old_context_len = high_freq_factor, old_context_len
         super().__init__(dim=dim, max_seq_len=max_seq_len, base=base)
@@ -71,7 +100,9 @@ class Llama3ScaledRoPE(RotaryPositionalEmbeddings):
         wavelen = 2 * torch.pi / theta
         low_wavelen = self.old_context_len / self.low_freq_factor
         high_wavelen = self.old_context_len / self.high_freq_factor
-        gamma = (self.old_context_len / wavelen - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor)
+        gamma = (self.old_context_len / wavelen - self.low_freq_factor) / (
+            self.high_freq_factor - self.low_freq_factor
+        )
         blended = (1 - gamma) * theta / self.scale_factor + gamma * theta
         scaled = torch.where(wavelen > low_wavelen, theta / self.scale_factor, theta)
         in_between = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)

@@ -12,9 +12,12 @@ from torch import nn
 
 # %% ../../nbs/10_rms_norm.ipynb #47718ba6
 class RMSNorm(nn.Module):
-    """Root-mean-square normalisation over the last dimension, with a learned per-channel gain.
+    """Root-mean-square normalisation over the last dimension, with a learned
+    per-channel gain.
 
-    Computed in fp32 and cast back to the input dtype. `dim` is the size of the last dimension."""
+    Computed in fp32 and cast back to the input dtype. `dim` is the size of the last
+    dimension.
+    """
 
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -22,7 +25,8 @@ class RMSNorm(nn.Module):
         self.scale = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.scale.dtype == x.dtype:                 # PyTorch's op: the same fp32 arithmetic, fewer autograd nodes
+        # PyTorch's op: the same fp32 arithmetic, fewer autograd nodes
+        if self.scale.dtype == x.dtype:
             return F.rms_norm(x, (x.shape[-1],), self.scale, self.eps)
         x_fp32 = x.float()
         normed = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -30,7 +34,9 @@ class RMSNorm(nn.Module):
 
 # %% ../../nbs/10_rms_norm.ipynb #593711c0
 class GemmaRMSNorm(nn.Module):
-    "RMSNorm whose gain is `1 + scale` (Gemma's parameterisation); `scale` starts at zero. Computed in fp32."
+    """RMSNorm whose gain is `1 + scale` (Gemma's parameterisation); `scale` starts at
+    zero. Computed in fp32.
+    """
 
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()

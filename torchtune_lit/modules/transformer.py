@@ -15,14 +15,24 @@ from torch import nn
 
 # %% ../../nbs/16_transformer.ipynb #d2cef874
 class TransformerSelfAttentionLayer(nn.Module):
-    """One pre-norm decoder layer: `h = x + attn(sa_norm(x))`, `out = h + mlp(mlp_norm(h))`.
+    """One pre-norm decoder layer: `h = x + attn(sa_norm(x))`, `out = h +
+    mlp(mlp_norm(h))`.
 
-    `sa_scale` / `mlp_scale` transform each branch's output before the residual add (identity by default); Gemma 2
-    puts its extra post-attention and post-MLP norms there."""
+    `sa_scale` / `mlp_scale` transform each branch's output before the residual add
+    (identity by default); Gemma 2 puts its extra post-attention and post-MLP norms
+    there.
+    """
 
-    def __init__(self, attn: nn.Module, mlp: nn.Module, *, sa_norm: Optional[nn.Module] = None,
-                 mlp_norm: Optional[nn.Module] = None, sa_scale: Optional[nn.Module] = None,
-                 mlp_scale: Optional[nn.Module] = None) -> None:
+    def __init__(
+        self,
+        attn: nn.Module,
+        mlp: nn.Module,
+        *,
+        sa_norm: Optional[nn.Module] = None,
+        mlp_norm: Optional[nn.Module] = None,
+        sa_scale: Optional[nn.Module] = None,
+        mlp_scale: Optional[nn.Module] = None,
+    ) -> None:
         super().__init__()
         self.attn, self.mlp = attn, mlp
         self.sa_norm = sa_norm or nn.Identity()
@@ -30,15 +40,23 @@ class TransformerSelfAttentionLayer(nn.Module):
         self.sa_scale = sa_scale or nn.Identity()
         self.mlp_scale = mlp_scale or nn.Identity()
 
-    def forward(self, x: torch.Tensor, *, mask: Optional[torch.Tensor] = None,
-                input_pos: Optional[torch.Tensor] = None, **kwargs) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        mask: Optional[torch.Tensor] = None,
+        input_pos: Optional[torch.Tensor] = None,
+        **kwargs,
+    ) -> torch.Tensor:
         normed = self.sa_norm(x)
         h = x + self.sa_scale(self.attn(normed, normed, mask=mask, input_pos=input_pos))
         return h + self.mlp_scale(self.mlp(self.mlp_norm(h)))
 
 # %% ../../nbs/16_transformer.ipynb #a2f6d88f
 class TiedLinear:
-    "Output projection that reuses `tied_module.weight` (the token embedding); not a module, so the weight is stored once."
+    """Output projection that reuses `tied_module.weight` (the token embedding); not a
+    module, so the weight is stored once.
+    """
 
     def __init__(self, tied_module: nn.Module) -> None:
         self.tied_module = tied_module
@@ -52,38 +70,72 @@ class TiedLinear:
 
 # %% ../../nbs/16_transformer.ipynb #5467c5c6
 class TransformerDecoder(nn.Module):
-    """Decoder-only transformer: token embeddings, `layers`, final `norm`, `output` projection to the vocabulary.
+    """Decoder-only transformer: token embeddings, `layers`, final `norm`, `output`
+    projection to the vocabulary.
 
-    `layers` is a list of layers, or one layer copied `num_layers` times. `forward(tokens, *, mask=None,
-    input_pos=None)` takes token ids [batch, seq] and returns fp32 logits [batch, seq, vocab], or — once
-    `set_num_output_chunks` was called — a list of that many chunks along the sequence, in the model's dtype (the
-    chunked loss upcasts one chunk at a time). `embed_scale` multiplies the embeddings (Gemma: sqrt(dim));
-    `final_logit_softcapping` caps the logits."""
+    `layers` is a list of layers, or one layer copied `num_layers` times.
+    `forward(tokens, *, mask=None, input_pos=None)` takes token ids [batch, seq] and
+    returns fp32 logits [batch, seq, vocab], or — once `set_num_output_chunks` was
+    called — a list of that many chunks along the sequence, in the model's dtype (the
+    chunked loss upcasts one chunk at a time). `embed_scale` multiplies the embeddings
+    (Gemma: sqrt(dim)); `final_logit_softcapping` caps the logits.
+    """
 
-    def __init__(self, *, tok_embeddings: nn.Embedding, layers: Union[nn.Module, list, nn.ModuleList],
-                 max_seq_len: int, num_heads: int, head_dim: int, norm: nn.Module,
-                 output: Union[nn.Linear, TiedLinear, Callable], num_layers: Optional[int] = None,
-                 embed_scale: Optional[float] = None, final_logit_softcapping: Optional[float] = None) -> None:
+    def __init__(
+        self,
+        *,
+        tok_embeddings: nn.Embedding,
+        layers: Union[nn.Module, list, nn.ModuleList],
+        max_seq_len: int,
+        num_heads: int,
+        head_dim: int,
+        norm: nn.Module,
+        output: Union[nn.Linear, TiedLinear, Callable],
+        num_layers: Optional[int] = None,
+        embed_scale: Optional[float] = None,
+        final_logit_softcapping: Optional[float] = None,
+    ) -> None:
         super().__init__()
         if isinstance(layers, nn.Module) and not isinstance(layers, nn.ModuleList):
             if num_layers is None:
-                raise ValueError("pass num_layers when layers is a single layer to be copied.")
+                raise ValueError(
+                    "pass num_layers when layers is a single layer to be copied."
+                )
             layers = [copy.deepcopy(layers) for _ in range(num_layers)]
         self.tok_embeddings = tok_embeddings
         self.layers = nn.ModuleList(layers)
         self.norm, self.output = norm, output
-        self.max_seq_len, self.num_heads, self.head_dim = max_seq_len, num_heads, head_dim
-        self.embed_scale, self.final_logit_softcapping = embed_scale, final_logit_softcapping
+        self.max_seq_len, self.num_heads, self.head_dim = (
+            max_seq_len,
+            num_heads,
+            head_dim,
+        )
+        self.embed_scale, self.final_logit_softcapping = (
+            embed_scale,
+            final_logit_softcapping,
+        )
         self.num_output_chunks = 0
 
     def set_num_output_chunks(self, num_output_chunks: int) -> None:
-        "Return logits as this many chunks along the sequence (0: one tensor). Used with chunked losses."
+        """Return logits as this many chunks along the sequence (0: one tensor). Used
+        with chunked losses.
+        """
         self.num_output_chunks = num_output_chunks
 
-    def setup_caches(self, batch_size: int, dtype: torch.dtype, *, decoder_max_seq_len: Optional[int] = None) -> None:
-        "Give every attention layer a KV cache for `batch_size` sequences of up to `decoder_max_seq_len` tokens."
+    def setup_caches(
+        self,
+        batch_size: int,
+        dtype: torch.dtype,
+        *,
+        decoder_max_seq_len: Optional[int] = None,
+    ) -> None:
+        """Give every attention layer a KV cache for `batch_size` sequences of up to
+        `decoder_max_seq_len` tokens.
+        """
         for layer in self.layers:
-            layer.attn.setup_cache(batch_size, dtype, decoder_max_seq_len or self.max_seq_len)
+            layer.attn.setup_cache(
+                batch_size, dtype, decoder_max_seq_len or self.max_seq_len
+            )
 
     def caches_are_enabled(self) -> bool:
         return self.layers[0].attn.kv_cache is not None
@@ -98,24 +150,38 @@ class TransformerDecoder(nn.Module):
         for layer in self.layers:
             layer.attn.kv_cache = None
 
-    def forward(self, tokens: torch.Tensor, *, mask: Optional[torch.Tensor] = None,
-                input_pos: Optional[torch.Tensor] = None) -> Union[torch.Tensor, list[torch.Tensor]]:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        *,
+        mask: Optional[torch.Tensor] = None,
+        input_pos: Optional[torch.Tensor] = None,
+    ) -> Union[torch.Tensor, list[torch.Tensor]]:
         seq_len = tokens.shape[1]
         if seq_len > self.max_seq_len:
-            raise ValueError(f"sequence length {seq_len} exceeds the model's max_seq_len {self.max_seq_len}: "
-                             "truncate the input (tokenizer max_seq_len) or build the model with a larger one.")
+            raise ValueError(
+                f"sequence length {seq_len} exceeds the model's "
+                f"max_seq_len {self.max_seq_len}: truncate the input (tokenizer "
+                "max_seq_len) or build the model with a larger one."
+            )
         h = self.tok_embeddings(tokens)
         if self.embed_scale is not None:
             h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
         for layer in self.layers:
             h = layer(h, mask=mask, input_pos=input_pos)
         h = self.norm(h)
-        if self.num_output_chunks > 0:  # chunks stay in the model's dtype: the loss upcasts one at a time
-            return [self._logits(chunk) for chunk in h.chunk(self.num_output_chunks, dim=1)]
+        # chunks stay in the model's dtype: the loss upcasts one at a time
+        if self.num_output_chunks > 0:
+            return [
+                self._logits(chunk) for chunk in h.chunk(self.num_output_chunks, dim=1)
+            ]
         return self._logits(h).float()
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         logits = self.output(h)
         if self.final_logit_softcapping is not None:
-            logits = torch.tanh(logits / self.final_logit_softcapping) * self.final_logit_softcapping
+            logits = (
+                torch.tanh(logits / self.final_logit_softcapping)
+                * self.final_logit_softcapping
+            )
         return logits

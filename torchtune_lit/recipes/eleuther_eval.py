@@ -30,11 +30,22 @@ except ImportError:  # the recipe explains how to install it when it runs
 class TorchtuneLitLM(LM):
     "lm-evaluation-harness's `LM` interface over a torchtune_lit decoder and tokenizer."
 
-    def __init__(self, model: torch.nn.Module, tokenizer: Any, device: torch.device, batch_size: int = 8,
-                 max_seq_len: int = 2048, max_gen_toks: int = 256) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        device: torch.device,
+        batch_size: int = 8,
+        max_seq_len: int = 2048,
+        max_gen_toks: int = 256,
+    ) -> None:
         super().__init__()
         self.model, self.tokenizer, self._device = model.eval(), tokenizer, device
-        self.batch_size, self.max_seq_len, self.max_gen_toks = batch_size, min(max_seq_len, model.max_seq_len), max_gen_toks
+        self.batch_size, self.max_seq_len, self.max_gen_toks = (
+            batch_size,
+            min(max_seq_len, model.max_seq_len),
+            max_gen_toks,
+        )
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_bos=False, add_eos=False)
@@ -44,30 +55,48 @@ class TorchtuneLitLM(LM):
         return [bos] if bos is not None else [self.tokenizer.eos_id]
 
     @torch.no_grad()
-    def _score(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
-        "Summed log-prob of each continuation after its context, and whether it is the greedy continuation."
+    def _score(
+        self, pairs: list[tuple[list[int], list[int]]]
+    ) -> list[tuple[float, bool]]:
+        """Summed log-prob of each continuation after its context, and whether it is the
+        greedy continuation.
+        """
         results = []
         for start in range(0, len(pairs), self.batch_size):
-            batch = [(ctx + cont)[-(self.max_seq_len + 1):] for ctx, cont in pairs[start:start + self.batch_size]]
-            conts = [cont for _, cont in pairs[start:start + self.batch_size]]
+            batch = [
+                (ctx + cont)[-(self.max_seq_len + 1) :]
+                for ctx, cont in pairs[start : start + self.batch_size]
+            ]
+            conts = [cont for _, cont in pairs[start : start + self.batch_size]]
             inputs = [seq[:-1] for seq in batch]
             width = max(len(x) for x in inputs)
-            tokens = torch.tensor([x + [0] * (width - len(x)) for x in inputs], device=self._device)
+            tokens = torch.tensor(
+                [x + [0] * (width - len(x)) for x in inputs], device=self._device
+            )
             log_probs = F.log_softmax(self.model(tokens).float(), dim=-1)
             for row, (seq, cont) in enumerate(zip(batch, conts)):
-                n, end = len(cont), len(seq) - 1               # predictions of the last n tokens of seq
+                # predictions of the last n tokens of seq
+                n, end = len(cont), len(seq) - 1
                 target = torch.tensor(seq[-n:], device=self._device)
-                scores = log_probs[row, end - n:end]
-                results.append((scores.gather(-1, target[:, None]).sum().item(), bool((scores.argmax(-1) == target).all())))
+                scores = log_probs[row, end - n : end]
+                results.append(
+                    (
+                        scores.gather(-1, target[:, None]).sum().item(),
+                        bool((scores.argmax(-1) == target).all()),
+                    )
+                )
         return results
 
     def loglikelihood(self, requests: list) -> list[tuple[float, bool]]:
         pairs = []
         for request in requests:
             context, continuation = request.args
-            if context and context[-1] == " ":            # the harness's convention: the space goes with the answer
+            # the harness's convention: the space goes with the answer
+            if context and context[-1] == " ":
                 context, continuation = context[:-1], " " + continuation
-            pairs.append((self._prefix() + self._encode(context), self._encode(continuation)))
+            pairs.append(
+                (self._prefix() + self._encode(context), self._encode(continuation))
+            )
         return self._score(pairs)
 
     def loglikelihood_rolling(self, requests: list) -> list[float]:
@@ -75,9 +104,12 @@ class TorchtuneLitLM(LM):
         for request in requests:
             tokens = self._encode(request.args[0])
             total = 0.0
-            for start in range(0, len(tokens), self.max_seq_len):     # disjoint windows, each after BOS or its past
-                window = tokens[start:start + self.max_seq_len]
-                context = self._prefix() if start == 0 else tokens[max(0, start - 1):start]
+            # disjoint windows, each after BOS or its past
+            for start in range(0, len(tokens), self.max_seq_len):
+                window = tokens[start : start + self.max_seq_len]
+                context = (
+                    self._prefix() if start == 0 else tokens[max(0, start - 1) : start]
+                )
                 total += self._score([(context, window)])[0][0]
             totals.append(total)
         return totals
@@ -88,9 +120,14 @@ class TorchtuneLitLM(LM):
             context, kwargs = request.args
             until = kwargs.get("until", [])
             until = [until] if isinstance(until, str) else list(until)
-            prompt = (self._prefix() + self._encode(context))[-(self.max_seq_len - 1):]
-            budget = min(kwargs.get("max_gen_toks", self.max_gen_toks), self.max_seq_len - len(prompt))
-            new = generation.generate(self.model, [prompt], budget, stop_tokens=[self.tokenizer.eos_id])[0]
+            prompt = (self._prefix() + self._encode(context))[-(self.max_seq_len - 1) :]
+            budget = min(
+                kwargs.get("max_gen_toks", self.max_gen_toks),
+                self.max_seq_len - len(prompt),
+            )
+            new = generation.generate(
+                self.model, [prompt], budget, stop_tokens=[self.tokenizer.eos_id]
+            )[0]
             text = self.tokenizer.decode([t for t in new if t != self.tokenizer.eos_id])
             for stop in until:
                 text = text.split(stop)[0]
@@ -102,54 +139,95 @@ def _require_lm_eval() -> Any:
     try:
         import lm_eval
     except ImportError as error:
-        raise ImportError("eleuther_eval needs EleutherAI's lm-evaluation-harness: pip install lm_eval") from error
+        raise ImportError(
+            "eleuther_eval needs EleutherAI's lm-evaluation-harness: "
+            "pip install lm_eval"
+        ) from error
     return lm_eval
 
 
 def write_task_definitions(definitions: list, folder: Path) -> Path:
-    "Write each inline task definition (a dict in the harness's YAML schema) to `folder` as `<task>.yaml`."
+    """Write each inline task definition (a dict in the harness's YAML schema) to
+    `folder` as `<task>.yaml`.
+    """
     import yaml
+
     for definition in definitions:
         if "task" not in definition:
-            raise ValueError(f"a task definition needs a 'task' name; got keys {sorted(definition)}.")
-        (folder / f"{definition['task']}.yaml").write_text(yaml.safe_dump(definition, sort_keys=False))
+            raise ValueError(
+                f"a task definition needs a 'task' name; got keys {sorted(definition)}."
+            )
+        (folder / f"{definition['task']}.yaml").write_text(
+            yaml.safe_dump(definition, sort_keys=False)
+        )
     return folder
 
 
 def evaluate(cfg: DictConfig) -> dict:
-    "Run the configured harness tasks on the checkpoint; returns (and writes to output_dir/eleuther_eval.json) the results."
+    """Run the configured harness tasks on the checkpoint; returns (and writes to
+    output_dir/eleuther_eval.json) the results.
+    """
     lm_eval = _require_lm_eval()
     from lm_eval.tasks import TaskManager
+
     device = training.get_device(cfg.device)
     dtype = training.get_dtype(cfg.get("dtype", "fp32"), device)
     training.set_seed(cfg.seed)
     checkpointer = config.instantiate(cfg.checkpointer)
     model = eval_accuracy.load_model_for_eval(checkpointer, device, dtype)
     tokenizer = config.instantiate(cfg.tokenizer)
-    lm = TorchtuneLitLM(model, tokenizer, device, batch_size=cfg.get("batch_size", 8),
-                        max_seq_len=cfg.get("max_seq_len", 2048), max_gen_toks=cfg.get("max_gen_toks", 256))
+    lm = TorchtuneLitLM(
+        model,
+        tokenizer,
+        device,
+        batch_size=cfg.get("batch_size", 8),
+        max_seq_len=cfg.get("max_seq_len", 2048),
+        max_gen_toks=cfg.get("max_gen_toks", 256),
+    )
     with tempfile.TemporaryDirectory() as include:
-        definitions = OmegaConf.to_container(cfg.get("task_definitions") or [], resolve=True)
+        definitions = OmegaConf.to_container(
+            cfg.get("task_definitions") or [], resolve=True
+        )
         write_task_definitions(definitions, Path(include))
         paths = [include] + list(cfg.get("include_path") or [])
-        results = lm_eval.simple_evaluate(model=lm, tasks=list(cfg.tasks), num_fewshot=cfg.get("num_fewshot"),
-                                          limit=cfg.get("limit"), task_manager=TaskManager(include_path=paths),
-                                          log_samples=False, bootstrap_iters=0, random_seed=cfg.seed,
-                                          numpy_random_seed=cfg.seed, torch_random_seed=cfg.seed)
-    scores = {task: {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
-              for task, metrics in results["results"].items()}
+        results = lm_eval.simple_evaluate(
+            model=lm,
+            tasks=list(cfg.tasks),
+            num_fewshot=cfg.get("num_fewshot"),
+            limit=cfg.get("limit"),
+            task_manager=TaskManager(include_path=paths),
+            log_samples=False,
+            bootstrap_iters=0,
+            random_seed=cfg.seed,
+            numpy_random_seed=cfg.seed,
+            torch_random_seed=cfg.seed,
+        )
+    scores = {
+        task: {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+        for task, metrics in results["results"].items()
+    }
     output_dir = Path(cfg.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "eleuther_eval.json").write_text(json.dumps({"checkpoint_dir": str(checkpointer.checkpoint_dir),
-                                                              "results": scores}, indent=1))
+    (output_dir / "eleuther_eval.json").write_text(
+        json.dumps(
+            {"checkpoint_dir": str(checkpointer.checkpoint_dir), "results": scores},
+            indent=1,
+        )
+    )
     return scores
 
 # %% ../../nbs/93_eleuther_eval.ipynb #aba7076a
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
-    "Entry point: `tunelit run eleuther_eval --config tiny/eleuther_eval [checkpointer.checkpoint_dir=...]`."
+    """Entry point: `tunelit run eleuther_eval --config tiny/eleuther_eval
+    [checkpointer.checkpoint_dir=...]`.
+    """
     for task, metrics in evaluate(cfg).items():
-        shown = ", ".join(f"{k.split(',')[0]} {v:.4f}" for k, v in metrics.items() if not k.endswith("_stderr,none"))
+        shown = ", ".join(
+            f"{k.split(',')[0]} {v:.4f}"
+            for k, v in metrics.items()
+            if not k.endswith("_stderr,none")
+        )
         print(f"{task}: {shown}")
 
 # %% ../../nbs/93_eleuther_eval.ipynb #27cdbb7c

@@ -22,51 +22,83 @@ import torchtune_lit.models as models
 import torchtune_lit.training as training
 
 # %% ../../nbs/92_eval_accuracy.ipynb #aba7a595
-def load_model_for_eval(checkpointer, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    "The model that the checkpoint folder's config.json describes, with its weights, in eval mode."
+def load_model_for_eval(
+    checkpointer, device: torch.device, dtype: torch.dtype
+) -> torch.nn.Module:
+    """The model that the checkpoint folder's config.json describes, with its weights,
+    in eval mode.
+    """
     model = models.build_from_hf_config(checkpointer.checkpoint_dir)
     training.load_model_state_dict(model, checkpointer.load_checkpoint()["model"])
     return model.to(device=device, dtype=dtype).eval()
 
 
 def confusion_table(pairs: list[tuple[str, str]], labels: list[str]) -> str:
-    "A text table: one row per true label with its accuracy and its most frequent wrong answer."
+    """A text table: one row per true label with its accuracy and its most frequent
+    wrong answer.
+    """
     lines = [f"{'label':<18}{'n':>4}{'correct':>9}   most frequent wrong answer"]
     for label in labels:
         answers = Counter(p for t, p in pairs if t == label)
         n, correct = sum(answers.values()), answers[label]
         wrong = [(p, c) for p, c in answers.most_common() if p != label]
-        lines.append(f"{label:<18}{n:>4}{correct:>9}   " + (f"{wrong[0][0][:24]} ({wrong[0][1]})" if wrong else "-"))
+        lines.append(
+            f"{label:<18}{n:>4}{correct:>9}   "
+            + (f"{wrong[0][0][:24]} ({wrong[0][1]})" if wrong else "-")
+        )
     return "\n".join(lines)
 
 
 def evaluate(cfg: DictConfig) -> dict:
-    "Accuracy of greedy answers on the configured rows; writes eval.json (with every answer) to output_dir."
+    """Accuracy of greedy answers on the configured rows; writes eval.json (with every
+    answer) to output_dir.
+    """
     device = training.get_device(cfg.device)
     dtype = training.get_dtype(cfg.dtype, device)
     training.set_seed(cfg.seed)
     checkpointer = config.instantiate(cfg.checkpointer)
     model = load_model_for_eval(checkpointer, device, dtype)
     tokenizer = config.instantiate(cfg.tokenizer)
-    rows = builders.load_rows(cfg.dataset.source, cfg.dataset.get("split", "train"), data_files=cfg.dataset.data_files)
+    rows = builders.load_rows(
+        cfg.dataset.source,
+        cfg.dataset.get("split", "train"),
+        data_files=cfg.dataset.data_files,
+    )
     prompt_col, label_col = cfg.dataset.prompt_column, cfg.dataset.label_column
     prompts = []
     for row in rows:
-        messages = ([data.Message("system", cfg.system_prompt, masked=True)] if cfg.get("system_prompt") else []) + \
-                   [data.Message("user", row[prompt_col], masked=True)]
-        prompts.append(tokenizer.tokenize_messages(messages, add_generation_prompt=True)[0])
+        messages = (
+            [data.Message("system", cfg.system_prompt, masked=True)]
+            if cfg.get("system_prompt")
+            else []
+        ) + [data.Message("user", row[prompt_col], masked=True)]
+        prompts.append(
+            tokenizer.tokenize_messages(messages, add_generation_prompt=True)[0]
+        )
     answers = []
     for start in range(0, len(prompts), cfg.batch_size):
-        for tokens in generation.generate(model, prompts[start:start + cfg.batch_size], cfg.max_new_tokens,
-                               stop_tokens=[tokenizer.eot_id, tokenizer.eos_id]):
-            tokens = [t for t in tokens if t not in (tokenizer.eot_id, tokenizer.eos_id)]
+        for tokens in generation.generate(
+            model,
+            prompts[start : start + cfg.batch_size],
+            cfg.max_new_tokens,
+            stop_tokens=[tokenizer.eot_id, tokenizer.eos_id],
+        ):
+            tokens = [
+                t for t in tokens if t not in (tokenizer.eot_id, tokenizer.eos_id)
+            ]
             answers.append(tokenizer.decode(tokens).strip())
     pairs = [(row[label_col], answer) for row, answer in zip(rows, answers)]
     accuracy = sum(t == p for t, p in pairs) / len(pairs)
     labels = sorted({t for t, _ in pairs})
-    result = {"checkpoint_dir": str(checkpointer.checkpoint_dir), "accuracy": accuracy, "n": len(pairs),
-              "confusion": {t: dict(Counter(p for tt, p in pairs if tt == t)) for t in labels},
-              "answers": [{"label": t, "answer": p} for t, p in pairs]}
+    result = {
+        "checkpoint_dir": str(checkpointer.checkpoint_dir),
+        "accuracy": accuracy,
+        "n": len(pairs),
+        "confusion": {
+            t: dict(Counter(p for tt, p in pairs if tt == t)) for t in labels
+        },
+        "answers": [{"label": t, "answer": p} for t, p in pairs],
+    }
     output_dir = Path(cfg.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "eval.json").write_text(json.dumps(result, indent=1))
@@ -76,10 +108,15 @@ def evaluate(cfg: DictConfig) -> dict:
 # %% ../../nbs/92_eval_accuracy.ipynb #8fccc40c
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
-    "Entry point: `tunelit run eval_accuracy --config tiny/eval [checkpointer.checkpoint_dir=...]`."
+    """Entry point: `tunelit run eval_accuracy --config tiny/eval
+    [checkpointer.checkpoint_dir=...]`.
+    """
     result = evaluate(cfg)
     print(result["table"])
-    print(f"Accuracy {result['accuracy']:.1%} on {result['n']} held-out examples ({result['checkpoint_dir']}).")
+    print(
+        f"Accuracy {result['accuracy']:.1%} on {result['n']} held-out examples "
+        f"({result['checkpoint_dir']})."
+    )
 
 # %% ../../nbs/92_eval_accuracy.ipynb #bb57bfe8
 #| eval: false

@@ -24,8 +24,19 @@ import torchtune_lit.training as training
 import torchtune_lit.training._distributed as distributed
 
 # %% ../../nbs/82_full_finetune_distributed.ipynb #8a8362e1
-def distributed_step(model, optimizer, micro_batches, step, device, world_size, clip_grad_norm=None, lr_scheduler=None) -> dict:
-    "One optimizer step; gradients scaled by world_size / global trained tokens (FSDP averages over ranks)."
+def distributed_step(
+    model,
+    optimizer,
+    micro_batches,
+    step,
+    device,
+    world_size,
+    clip_grad_norm=None,
+    lr_scheduler=None,
+) -> dict:
+    """One optimizer step; gradients scaled by world_size / global trained tokens (FSDP
+    averages over ranks).
+    """
     start = time.perf_counter()
     loss_sum, tokens = 0.0, 0
     for batch in micro_batches:
@@ -44,14 +55,27 @@ def distributed_step(model, optimizer, micro_batches, step, device, world_size, 
     optimizer.zero_grad(set_to_none=True)
     if lr_scheduler is not None:
         lr_scheduler.step()
-    return {"step": step, "loss": global_loss, "lr": optimizer.param_groups[0]["lr"], "tokens": int(global_tokens),
-            "tokens_per_second": global_tokens / (time.perf_counter() - start)}
+    return {
+        "step": step,
+        "loss": global_loss,
+        "lr": optimizer.param_groups[0]["lr"],
+        "tokens": int(global_tokens),
+        "tokens_per_second": global_tokens / (time.perf_counter() - start),
+    }
 
 
-def load_sharded_model(cfg: DictConfig, checkpointer, rank: int, device: torch.device, dtype: torch.dtype,
-                       inspect=None) -> torch.nn.Module:
-    """Build the model on the meta device, shard it, and fill each rank's shards from the checkpoint that only rank 0
-    reads. Without checkpoint files (training from scratch) every rank builds the same seeded initialisation instead."""
+def load_sharded_model(
+    cfg: DictConfig,
+    checkpointer,
+    rank: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    inspect=None,
+) -> torch.nn.Module:
+    """Build the model on the meta device, shard it, and fill each rank's shards from
+    the checkpoint that only rank 0 reads. Without checkpoint files (training from
+    scratch) every rank builds the same seeded initialisation instead.
+    """
     full_state = checkpointer.load_checkpoint()["model"] if rank == 0 else {}
     from_scratch = [rank == 0 and not full_state]
     dist.broadcast_object_list(from_scratch, src=0)
@@ -60,80 +84,147 @@ def load_sharded_model(cfg: DictConfig, checkpointer, rank: int, device: torch.d
     else:
         with torch.device("meta"):
             model = config.instantiate(cfg.model).to(dtype)
-    if inspect is not None and rank == 0:                     # e.g. the preflight report, on the unsharded model
+    # e.g. the preflight report, on the unsharded model
+    if inspect is not None and rank == 0:
         inspect(model, full_state)
-    if cfg.get("enable_activation_checkpointing", False):      # before sharding, as FSDP2 expects
+    # before sharding, as FSDP2 expects
+    if cfg.get("enable_activation_checkpointing", False):
         training.set_activation_checkpointing(model)
     if cfg.get("compile", False):
         training.compile_model(model)
-    model = distributed.shard_model(model, reshard_after_forward=cfg.get("reshard_after_forward", True))
+    model = distributed.shard_model(
+        model, reshard_after_forward=cfg.get("reshard_after_forward", True)
+    )
     if not from_scratch[0]:
         distributed.load_from_full_state_dict(model, full_state, device)
     del full_state
     return model
 
 
-def preflight_printer(cfg: DictConfig, tokenizer, dataset, output_dir: Path, world_size: int):
-    "A callback for rank 0: print and save the preflight report of the (unsharded) model and the checkpoint it read."
+def preflight_printer(
+    cfg: DictConfig, tokenizer, dataset, output_dir: Path, world_size: int
+):
+    """A callback for rank 0: print and save the preflight report of the (unsharded)
+    model and the checkpoint it read.
+    """
+
     def inspect(model, state_dict) -> None:
         if cfg.get("preflight", True):
-            report = training.preflight.preflight_report(cfg, model=model, tokenizer=tokenizer, dataset=dataset,
-                                                         state_dict=state_dict, world_size=world_size)
+            report = training.preflight.preflight_report(
+                cfg,
+                model=model,
+                tokenizer=tokenizer,
+                dataset=dataset,
+                state_dict=state_dict,
+                world_size=world_size,
+            )
             training.preflight.save_report(report, output_dir)
             print(training.preflight.format_report(report), flush=True)
+
     return inspect
 
 
 @torch.no_grad()
-def distributed_validation_loss(model, loader, device: torch.device, max_batches=None) -> float:
-    "Mean cross-entropy per trained token over every rank's share of the held-out loader (sums all-reduced)."
+def distributed_validation_loss(
+    model, loader, device: torch.device, max_batches=None
+) -> float:
+    """Mean cross-entropy per trained token over every rank's share of the held-out
+    loader (sums all-reduced).
+    """
     model.eval()
     loss_sum, tokens = 0.0, 0
     for i, batch in enumerate(loader):
         if max_batches is not None and i >= max_batches:
             break
         labels = training.shift_labels(batch["labels"].to(device))
-        loss_sum += training.summed_cross_entropy(model(batch["tokens"].to(device)), labels).item()
+        loss_sum += training.summed_cross_entropy(
+            model(batch["tokens"].to(device)), labels
+        ).item()
         tokens += int((labels != -100).sum())
     model.train()
-    return distributed.all_reduce_sum(loss_sum, device) / max(distributed.all_reduce_sum(tokens, device), 1)
+    return distributed.all_reduce_sum(loss_sum, device) / max(
+        distributed.all_reduce_sum(tokens, device), 1
+    )
 
 
 def validation_loader(cfg: DictConfig, tokenizer, rank: int, world_size: int):
-    "Each rank's unshuffled share of `validation_dataset`, or None when the config has none."
+    """Each rank's unshuffled share of `validation_dataset`, or None when the config has
+    none.
+    """
     if not cfg.get("validation_dataset"):
         return None
     dataset = config.instantiate(cfg.validation_dataset, tokenizer)
-    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False)
-    return DataLoader(dataset, batch_size=cfg.batch_size, sampler=sampler, collate_fn=data.padded_collate_sft)
+    sampler = DistributedSampler(
+        dataset, num_replicas=world_size, rank=rank, shuffle=False
+    )
+    return DataLoader(
+        dataset,
+        batch_size=cfg.batch_size,
+        sampler=sampler,
+        collate_fn=data.padded_collate_sft,
+    )
 
 
-def resume_sharded(cfg: DictConfig, model, optimizer, lr_scheduler, output_dir: Path, rank: int) -> tuple:
-    """With resume_from_checkpoint: read the newest sharded step checkpoint back (each rank its own shards) and return
-    (epoch, steps to skip in it, global step, random states); (0, 0, 0, None) otherwise."""
+def resume_sharded(
+    cfg: DictConfig, model, optimizer, lr_scheduler, output_dir: Path, rank: int
+) -> tuple:
+    """With resume_from_checkpoint: read the newest sharded step checkpoint back (each
+    rank its own shards) and return (epoch, steps to skip in it, global step, random
+    states); (0, 0, 0, None) otherwise.
+    """
     if not cfg.get("resume_from_checkpoint", False):
         return 0, 0, 0, None
     folder = training.latest_step_checkpoint(output_dir)
     if folder is None:
-        raise FileNotFoundError(f"resume_from_checkpoint=true but {output_dir} has no step_N checkpoint; run with "
-                                "save_every_n_steps first, or drop resume_from_checkpoint.")
+        raise FileNotFoundError(
+            f"resume_from_checkpoint=true but {output_dir} has "
+            "no step_N checkpoint; run with save_every_n_steps first, or drop "
+            "resume_from_checkpoint."
+        )
     resumed = distributed.load_sharded_checkpoint(model, optimizer, folder)
     if lr_scheduler is not None and resumed.get("lr_scheduler") is not None:
         lr_scheduler.load_state_dict(resumed["lr_scheduler"])
     if rank == 0:
         training.truncate_log(output_dir / "log.jsonl", resumed["step"])
         print(f"Resuming from {folder} (sharded checkpoint)", flush=True)
-    return resumed["epoch"], resumed["steps_into_epoch"], resumed["step"], resumed["rng"]
+    return (
+        resumed["epoch"],
+        resumed["steps_into_epoch"],
+        resumed["step"],
+        resumed["rng"],
+    )
 
 
-def save_step_checkpoint(cfg: DictConfig, model, optimizer, lr_scheduler, generator, output_dir: Path, rank: int, *,
-                         epoch: int, steps_into_epoch: int, step: int) -> None:
-    "A sharded `step_N` checkpoint of model, optimizer, schedule and position; rank 0 keeps the newest few."
-    state = {"lr_scheduler": lr_scheduler.state_dict() if lr_scheduler else None, "epoch": epoch,
-             "steps_into_epoch": steps_into_epoch, "step": step, "rng_generator": generator.get_state()}
-    distributed.save_sharded_checkpoint(model, optimizer, output_dir / f"step_{step}", state)
+def save_step_checkpoint(
+    cfg: DictConfig,
+    model,
+    optimizer,
+    lr_scheduler,
+    generator,
+    output_dir: Path,
+    rank: int,
+    *,
+    epoch: int,
+    steps_into_epoch: int,
+    step: int,
+) -> None:
+    """A sharded `step_N` checkpoint of model, optimizer, schedule and position; rank 0
+    keeps the newest few.
+    """
+    state = {
+        "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler else None,
+        "epoch": epoch,
+        "steps_into_epoch": steps_into_epoch,
+        "step": step,
+        "rng_generator": generator.get_state(),
+    }
+    distributed.save_sharded_checkpoint(
+        model, optimizer, output_dir / f"step_{step}", state
+    )
     if rank == 0:
-        training.prune_step_checkpoints(output_dir, cfg.get("keep_last_n_checkpoints", 2))
+        training.prune_step_checkpoints(
+            output_dir, cfg.get("keep_last_n_checkpoints", 2)
+        )
 
 
 def train(cfg: DictConfig) -> list[dict]:
@@ -148,45 +239,106 @@ def train(cfg: DictConfig) -> list[dict]:
     checkpointer = config.instantiate(cfg.checkpointer)
     tokenizer = config.instantiate(cfg.tokenizer)
     dataset = config.instantiate(cfg.dataset, tokenizer)
-    model = load_sharded_model(cfg, checkpointer, rank, device, dtype,
-                               inspect=preflight_printer(cfg, tokenizer, dataset, output_dir, world_size))
-    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=cfg.get("shuffle", True),
-                                 seed=cfg.seed, drop_last=True)
+    model = load_sharded_model(
+        cfg,
+        checkpointer,
+        rank,
+        device,
+        dtype,
+        inspect=preflight_printer(cfg, tokenizer, dataset, output_dir, world_size),
+    )
+    sampler = DistributedSampler(
+        dataset,
+        num_replicas=world_size,
+        rank=rank,
+        shuffle=cfg.get("shuffle", True),
+        seed=cfg.seed,
+        drop_last=True,
+    )
     packed = cfg.dataset.get("packed", False)
-    loader = DataLoader(dataset, batch_size=cfg.batch_size, sampler=sampler, drop_last=True,
-                        collate_fn=data.padded_collate_packed if packed else data.padded_collate_sft)
+    loader = DataLoader(
+        dataset,
+        batch_size=cfg.batch_size,
+        sampler=sampler,
+        drop_last=True,
+        collate_fn=data.padded_collate_packed if packed else data.padded_collate_sft,
+    )
     optimizer = config.instantiate(cfg.optimizer, model.parameters())
     val_loader = validation_loader(cfg, tokenizer, rank, world_size)
-    accumulation, steps_per_epoch, total_steps, lr_scheduler = training.training_schedule(cfg, len(loader), optimizer)
+    accumulation, steps_per_epoch, total_steps, lr_scheduler = (
+        training.training_schedule(cfg, len(loader), optimizer)
+    )
 
-    start_epoch, skip, step, pending_rng = resume_sharded(cfg, model, optimizer, lr_scheduler, output_dir, rank)
+    start_epoch, skip, step, pending_rng = resume_sharded(
+        cfg, model, optimizer, lr_scheduler, output_dir, rank
+    )
     logger = training.JsonlLogger(output_dir) if rank == 0 else None
-    progress = tqdm(total=total_steps, initial=step, desc="train", disable=rank != 0 or not cfg.get("progress_bar", True))
+    progress = tqdm(
+        total=total_steps,
+        initial=step,
+        desc="train",
+        disable=rank != 0 or not cfg.get("progress_bar", True),
+    )
     history = []
     for epoch in range(start_epoch, cfg.epochs):
-        sampler.set_epoch(epoch)                                   # the data order depends on (seed, epoch) only
+        # the data order depends on (seed, epoch) only
+        sampler.set_epoch(epoch)
         batches = iter(loader)
         for i in range(steps_per_epoch):
-            micro = [{k: v.to(device) for k, v in next(batches).items()} for _ in range(accumulation)]
+            micro = [
+                {k: v.to(device) for k, v in next(batches).items()}
+                for _ in range(accumulation)
+            ]
             if epoch == start_epoch and i < skip:
-                continue                                           # already trained before the resume
+                # already trained before the resume
+                continue
             if pending_rng is not None:
                 training.restore_rng_state(pending_rng)
                 pending_rng = None
             step += 1
-            metrics = distributed_step(model, optimizer, micro, step, device, world_size, cfg.get("clip_grad_norm"), lr_scheduler)
-            if val_loader is not None and step % cfg.get("run_val_every_n_steps", steps_per_epoch) == 0:
-                metrics["val_loss"] = distributed_validation_loss(model, val_loader, device, cfg.get("max_validation_batches"))
+            metrics = distributed_step(
+                model,
+                optimizer,
+                micro,
+                step,
+                device,
+                world_size,
+                cfg.get("clip_grad_norm"),
+                lr_scheduler,
+            )
+            if (
+                val_loader is not None
+                and step % cfg.get("run_val_every_n_steps", steps_per_epoch) == 0
+            ):
+                metrics["val_loss"] = distributed_validation_loss(
+                    model, val_loader, device, cfg.get("max_validation_batches")
+                )
             if rank == 0:
                 logger.log(epoch=epoch, **metrics)
                 history.append(metrics)
                 progress.update(1)
-                progress.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.1e}")
+                progress.set_postfix(
+                    loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.1e}"
+                )
                 if progress.disable:
                     print(f"step {step}: loss {metrics['loss']:.4f}", flush=True)
-            if cfg.get("save_every_n_steps") and step % cfg.save_every_n_steps == 0 and step < total_steps:
-                save_step_checkpoint(cfg, model, optimizer, lr_scheduler, generator, output_dir, rank,
-                                     epoch=epoch, steps_into_epoch=i + 1, step=step)
+            if (
+                cfg.get("save_every_n_steps")
+                and step % cfg.save_every_n_steps == 0
+                and step < total_steps
+            ):
+                save_step_checkpoint(
+                    cfg,
+                    model,
+                    optimizer,
+                    lr_scheduler,
+                    generator,
+                    output_dir,
+                    rank,
+                    epoch=epoch,
+                    steps_into_epoch=i + 1,
+                    step=step,
+                )
     progress.close()
     state = distributed.gather_full_state_dict(model)
     if rank == 0:
@@ -200,7 +352,9 @@ def train(cfg: DictConfig) -> list[dict]:
 # %% ../../nbs/82_full_finetune_distributed.ipynb #c5731acf
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
-    "Entry point: `tunelit run --nproc_per_node N full_finetune_distributed --config tiny/full_distributed`."
+    """Entry point: `tunelit run --nproc_per_node N full_finetune_distributed --config
+    tiny/full_distributed`.
+    """
     train(cfg)
 
 # %% ../../nbs/82_full_finetune_distributed.ipynb #155ae697

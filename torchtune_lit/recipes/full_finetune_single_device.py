@@ -20,31 +20,57 @@ import torchtune_lit.data as data
 import torchtune_lit.training as training
 
 # %% ../../nbs/80_full_finetune_single_device.ipynb #594e7624
-def build_dataloader(cfg: DictConfig, tokenizer, generator: torch.Generator) -> DataLoader:
-    "The training DataLoader: the config's dataset, seeded shuffling, the padded or packed collate function."
+def build_dataloader(
+    cfg: DictConfig, tokenizer, generator: torch.Generator
+) -> DataLoader:
+    """The training DataLoader: the config's dataset, seeded shuffling, the padded or
+    packed collate function.
+    """
     dataset = config.instantiate(cfg.dataset, tokenizer)
-    if cfg.get("sanity_check"):                   # `tunelit run ... --sanity`: overfit a handful of samples
-        dataset = torch.utils.data.Subset(dataset, range(min(cfg.sanity_check, len(dataset))))
+    # `tunelit run ... --sanity`: overfit a handful of samples
+    if cfg.get("sanity_check"):
+        dataset = torch.utils.data.Subset(
+            dataset, range(min(cfg.sanity_check, len(dataset)))
+        )
     packed = cfg.dataset.get("packed", False)
-    loader = DataLoader(dataset, batch_size=cfg.batch_size, shuffle=cfg.get("shuffle", True), generator=generator,
-                        drop_last=True, collate_fn=data.padded_collate_packed if packed else data.padded_collate_sft)
+    loader = DataLoader(
+        dataset,
+        batch_size=cfg.batch_size,
+        shuffle=cfg.get("shuffle", True),
+        generator=generator,
+        drop_last=True,
+        collate_fn=data.padded_collate_packed if packed else data.padded_collate_sft,
+    )
     if len(loader) == 0:
-        raise ValueError(f"{len(dataset)} samples make no full batch of batch_size={cfg.batch_size}; lower batch_size.")
+        raise ValueError(
+            f"{len(dataset)} samples make no full batch of "
+            f"batch_size={cfg.batch_size}; lower batch_size."
+        )
     return loader
 
 
 def build_validation_loader(cfg: DictConfig, tokenizer) -> Optional[DataLoader]:
-    "The held-out loader of `validation_dataset` (unshuffled, nothing dropped), or None when the config has none."
+    """The held-out loader of `validation_dataset` (unshuffled, nothing dropped), or
+    None when the config has none.
+    """
     if not cfg.get("validation_dataset"):
         return None
     dataset = config.instantiate(cfg.validation_dataset, tokenizer)
     packed = cfg.validation_dataset.get("packed", False)
-    return DataLoader(dataset, batch_size=cfg.batch_size, shuffle=False,
-                      collate_fn=data.padded_collate_packed if packed else data.padded_collate_sft)
+    return DataLoader(
+        dataset,
+        batch_size=cfg.batch_size,
+        shuffle=False,
+        collate_fn=data.padded_collate_packed if packed else data.padded_collate_sft,
+    )
 
 
-def load_model(cfg: DictConfig, checkpointer, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    "The config's model with the checkpoint's weights (or its own initialisation when there are no checkpoint files)."
+def load_model(
+    cfg: DictConfig, checkpointer, device: torch.device, dtype: torch.dtype
+) -> torch.nn.Module:
+    """The config's model with the checkpoint's weights (or its own initialisation when
+    there are no checkpoint files).
+    """
     model = config.instantiate(cfg.model)
     state = checkpointer.load_checkpoint()["model"]
     if state:
@@ -52,28 +78,39 @@ def load_model(cfg: DictConfig, checkpointer, device: torch.device, dtype: torch
     else:
         print("No checkpoint files: training from the model's initialisation.")
     model = model.to(device=device, dtype=dtype)
-    if cfg.get("enable_activation_checkpointing", False):   # recompute each layer in backward: less memory, ~1 more forward
+    # recompute each layer in backward: less memory, ~1 more forward
+    if cfg.get("enable_activation_checkpointing", False):
         training.set_activation_checkpointing(model)
-    if cfg.get("compile", False):                            # torch.compile each layer (one graph serves all of them)
+    # torch.compile each layer (one graph serves all of them)
+    if cfg.get("compile", False):
         training.compile_model(model)
     return model
 
 # %% ../../nbs/80_full_finetune_single_device.ipynb #10a08788
 def resume_state(cfg: DictConfig, model: torch.nn.Module) -> Optional[dict]:
-    "With resume_from_checkpoint, the newest step checkpoint's recipe state, its weights loaded into `model`."
+    """With resume_from_checkpoint, the newest step checkpoint's recipe state, its
+    weights loaded into `model`.
+    """
     if not cfg.get("resume_from_checkpoint", False):
         return None
     folder = training.latest_step_checkpoint(cfg.output_dir)
     if folder is None:
-        raise FileNotFoundError(f"resume_from_checkpoint=true but {cfg.output_dir} has no step_N checkpoint with "
-                                "recipe_state.pt; run with save_every_n_steps first, or drop resume_from_checkpoint.")
-    training.load_model_state_dict(model, training.FullModelHFCheckpointer(folder).load_checkpoint()["model"])
+        raise FileNotFoundError(
+            f"resume_from_checkpoint=true but {cfg.output_dir} "
+            "has no step_N checkpoint with recipe_state.pt; run with "
+            "save_every_n_steps first, or drop resume_from_checkpoint."
+        )
+    training.load_model_state_dict(
+        model, training.FullModelHFCheckpointer(folder).load_checkpoint()["model"]
+    )
     print(f"Resuming from {folder}")
     return training.load_recipe_state(folder)
 
 
 def train(cfg: DictConfig) -> list[dict]:
-    "Run the recipe described by `cfg`; return the metrics of every optimizer step it ran."
+    """Run the recipe described by `cfg`; return the metrics of every optimizer step it
+    ran.
+    """
     device, dtype, generator, output_dir = training.setup_run(cfg)
 
     checkpointer = config.instantiate(cfg.checkpointer)
@@ -83,63 +120,111 @@ def train(cfg: DictConfig) -> list[dict]:
     val_loader = build_validation_loader(cfg, tokenizer)
     optimizer = config.instantiate(cfg.optimizer, model.parameters())
     if cfg.get("preflight", True):
-        report = training.preflight.preflight_report(cfg, model=model, tokenizer=tokenizer, dataset=loader.dataset)
+        report = training.preflight.preflight_report(
+            cfg, model=model, tokenizer=tokenizer, dataset=loader.dataset
+        )
         training.preflight.save_report(report, output_dir)
         print(training.preflight.format_report(report))
-    accumulation, steps_per_epoch, total_steps, lr_scheduler = training.training_schedule(cfg, len(loader), optimizer)
+    accumulation, steps_per_epoch, total_steps, lr_scheduler = (
+        training.training_schedule(cfg, len(loader), optimizer)
+    )
 
     resumed = resume_state(cfg, model)
-    start_epoch, skip, step, pending_rng = training.resume_position(resumed, optimizer, lr_scheduler, generator,
-                                                                    output_dir / "log.jsonl")
+    start_epoch, skip, step, pending_rng = training.resume_position(
+        resumed, optimizer, lr_scheduler, generator, output_dir / "log.jsonl"
+    )
     logger, history = training.JsonlLogger(output_dir), []
-    extra_logger = config.instantiate(cfg.get("metric_logger"))       # optional: TensorBoard, W&B, MLflow, stdout
-    progress = tqdm(total=total_steps, initial=step, desc="train", disable=not cfg.get("progress_bar", True))
+    # optional: TensorBoard, W&B, MLflow, stdout
+    extra_logger = config.instantiate(cfg.get("metric_logger"))
+    progress = tqdm(
+        total=total_steps,
+        initial=step,
+        desc="train",
+        disable=not cfg.get("progress_bar", True),
+    )
     for epoch in range(start_epoch, cfg.epochs):
         epoch_generator_state = generator.get_state()
         batches = iter(loader)
         for i in range(steps_per_epoch):
-            micro = [{k: v.to(device) for k, v in next(batches).items()} for _ in range(accumulation)]
+            micro = [
+                {k: v.to(device) for k, v in next(batches).items()}
+                for _ in range(accumulation)
+            ]
             if epoch == start_epoch and i < skip:
-                continue                                  # already trained before the resume
+                # already trained before the resume
+                continue
             if pending_rng is not None:
                 training.restore_rng_state(pending_rng)
                 pending_rng = None
             step += 1
-            metrics = training.train_step(model, optimizer, micro, step, cfg.get("clip_grad_norm"), lr_scheduler)
+            metrics = training.train_step(
+                model, optimizer, micro, step, cfg.get("clip_grad_norm"), lr_scheduler
+            )
             if step == 1:
-                warning = training.preflight.check_first_loss(metrics["loss"], model.tok_embeddings.num_embeddings,
-                                                              pretrained=bool(cfg.checkpointer.get("checkpoint_files", True)))
+                warning = training.preflight.check_first_loss(
+                    metrics["loss"],
+                    model.tok_embeddings.num_embeddings,
+                    pretrained=bool(cfg.checkpointer.get("checkpoint_files", True)),
+                )
                 if warning:
                     print(f"WARNING: {warning}")
-            if val_loader is not None and step % cfg.get("run_val_every_n_steps", steps_per_epoch) == 0:
-                metrics["val_loss"] = training.validation_loss(model, val_loader, device, cfg.get("max_validation_batches"))
+            if (
+                val_loader is not None
+                and step % cfg.get("run_val_every_n_steps", steps_per_epoch) == 0
+            ):
+                metrics["val_loss"] = training.validation_loss(
+                    model, val_loader, device, cfg.get("max_validation_batches")
+                )
             metrics.update(training.get_memory_stats(device))
             logger.log(epoch=epoch, **metrics)
             if extra_logger is not None:
                 extra_logger.log_dict(metrics, step)
             history.append(metrics)
             progress.update(1)
-            progress.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.1e}", tok_s=f"{metrics['tokens_per_second']:.0f}")
-            if cfg.get("save_every_n_steps") and step % cfg.save_every_n_steps == 0 and step < total_steps:
-                state = training.make_recipe_state(optimizer, lr_scheduler, epoch, i + 1, step, epoch_generator_state)
-                checkpointer.save_checkpoint({"model": model.state_dict(), **state}, epoch=epoch,
-                                             intermediate_checkpoint=True, step=step)
-                training.prune_step_checkpoints(output_dir, cfg.get("keep_last_n_checkpoints", 2))
+            progress.set_postfix(
+                loss=f"{metrics['loss']:.4f}",
+                lr=f"{metrics['lr']:.1e}",
+                tok_s=f"{metrics['tokens_per_second']:.0f}",
+            )
+            if (
+                cfg.get("save_every_n_steps")
+                and step % cfg.save_every_n_steps == 0
+                and step < total_steps
+            ):
+                state = training.make_recipe_state(
+                    optimizer, lr_scheduler, epoch, i + 1, step, epoch_generator_state
+                )
+                checkpointer.save_checkpoint(
+                    {"model": model.state_dict(), **state},
+                    epoch=epoch,
+                    intermediate_checkpoint=True,
+                    step=step,
+                )
+                training.prune_step_checkpoints(
+                    output_dir, cfg.get("keep_last_n_checkpoints", 2)
+                )
     progress.close()
     logger.close()
     if extra_logger is not None:
         extra_logger.close()
-    folder = checkpointer.save_checkpoint({"model": model.state_dict()}, epoch=cfg.epochs - 1)
+    folder = checkpointer.save_checkpoint(
+        {"model": model.state_dict()}, epoch=cfg.epochs - 1
+    )
     print(f"Saved the model in Hugging Face format to {folder}")
     return history
 
 # %% ../../nbs/80_full_finetune_single_device.ipynb #17af8f10
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
-    "Entry point: `tunelit run full_finetune_single_device --config tiny/full [key=value ...]`."
+    """Entry point: `tunelit run full_finetune_single_device --config tiny/full
+    [key=value ...]`.
+    """
     history = train(cfg)
     if history:
-        print(f"Trained {len(history)} steps: loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f}.")
+        print(
+            f"Trained {len(history)} steps: loss {history[0]['loss']:.4f} -> "
+            f"{history[-1]['loss']:.4f}."
+        )
 
 # %% ../../nbs/80_full_finetune_single_device.ipynb #6a1833c1
 #| eval: false

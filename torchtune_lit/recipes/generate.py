@@ -22,21 +22,34 @@ import torchtune_lit.training as training
 
 # %% ../../nbs/91_generate.ipynb #d1eee6fb
 def prompt_tokens(cfg: DictConfig, tokenizer) -> list[int]:
-    "The prompt's token ids: chat messages with the generation prompt, or raw text with BOS."
+    """The prompt's token ids: chat messages with the generation prompt, or raw text
+    with BOS.
+    """
     prompt = cfg.prompt
     if prompt.get("text") is not None:
         if prompt.get("user") is not None:
-            raise ValueError("prompt has both 'text' and 'user': give raw text or chat messages, not both.")
+            raise ValueError(
+                "prompt has both 'text' and 'user': give raw text or "
+                "chat messages, not both."
+            )
         return tokenizer.encode(prompt.text, add_bos=True, add_eos=False)
     if prompt.get("user") is None:
-        raise ValueError("prompt needs 'user' (chat, optionally with 'system') or 'text' (raw text).")
-    messages = [data.Message("system", prompt.system, masked=True)] if prompt.get("system") else []
+        raise ValueError(
+            "prompt needs 'user' (chat, optionally with 'system') or 'text' (raw text)."
+        )
+    messages = (
+        [data.Message("system", prompt.system, masked=True)]
+        if prompt.get("system")
+        else []
+    )
     messages.append(data.Message("user", prompt.user, masked=True))
     return tokenizer.tokenize_messages(messages, add_generation_prompt=True)[0]
 
 
 def run_generation(cfg: DictConfig) -> dict:
-    "Generate from the configured prompt; returns (and writes to output_dir/generation.json) the text and speed."
+    """Generate from the configured prompt; returns (and writes to
+    output_dir/generation.json) the text and speed.
+    """
     device = training.get_device(cfg.device)
     dtype = training.get_dtype(cfg.dtype, device)
     training.set_seed(cfg.seed)
@@ -45,14 +58,31 @@ def run_generation(cfg: DictConfig) -> dict:
     tokenizer = config.instantiate(cfg.tokenizer)
     tokens = prompt_tokens(cfg, tokenizer)
     rng = torch.Generator(device=device).manual_seed(cfg.seed)
-    stop = [t for t in (getattr(tokenizer, "eot_id", None), tokenizer.eos_id) if t is not None]
+    stop = [
+        t
+        for t in (getattr(tokenizer, "eot_id", None), tokenizer.eos_id)
+        if t is not None
+    ]
     start = time.perf_counter()
-    new_tokens = generation.generate(model, [tokens], cfg.max_new_tokens, temperature=cfg.get("temperature", 0.0),
-                                     top_k=cfg.get("top_k"), top_p=cfg.get("top_p"), stop_tokens=stop, rng=rng)[0]
+    new_tokens = generation.generate(
+        model,
+        [tokens],
+        cfg.max_new_tokens,
+        temperature=cfg.get("temperature", 0.0),
+        top_k=cfg.get("top_k"),
+        top_p=cfg.get("top_p"),
+        stop_tokens=stop,
+        rng=rng,
+    )[0]
     elapsed = time.perf_counter() - start
     text = tokenizer.decode([t for t in new_tokens if t not in stop]).strip()
-    result = {"checkpoint_dir": str(checkpointer.checkpoint_dir), "prompt_tokens": len(tokens), "text": text,
-              "new_tokens": new_tokens, "tokens_per_second": len(new_tokens) / elapsed}
+    result = {
+        "checkpoint_dir": str(checkpointer.checkpoint_dir),
+        "prompt_tokens": len(tokens),
+        "text": text,
+        "new_tokens": new_tokens,
+        "tokens_per_second": len(new_tokens) / elapsed,
+    }
     output_dir = Path(cfg.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "generation.json").write_text(json.dumps(result, indent=1))
@@ -61,10 +91,15 @@ def run_generation(cfg: DictConfig) -> dict:
 # %% ../../nbs/91_generate.ipynb #701757cb
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
-    "Entry point: `tunelit run generate --config tiny/generate [prompt.user=... temperature=0]`."
+    """Entry point: `tunelit run generate --config tiny/generate [prompt.user=...
+    temperature=0]`.
+    """
     result = run_generation(cfg)
     print(result["text"])
-    print(f"({len(result['new_tokens'])} tokens at {result['tokens_per_second']:.1f} tokens/s)")
+    print(
+        f"({len(result['new_tokens'])} tokens at {result['tokens_per_second']:.1f} "
+        "tokens/s)"
+    )
 
 # %% ../../nbs/91_generate.ipynb #89cef57f
 #| eval: false

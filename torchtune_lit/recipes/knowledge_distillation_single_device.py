@@ -21,17 +21,34 @@ import torchtune_lit.recipes.full_finetune_single_device as full_finetune
 import torchtune_lit.training as training
 
 # %% ../../nbs/85_knowledge_distillation_single_device.ipynb #854e5af0
-def load_teacher(cfg: DictConfig, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    "The frozen teacher: built from `teacher_model`, loaded strictly from `teacher_checkpointer`, in eval mode."
+def load_teacher(
+    cfg: DictConfig, device: torch.device, dtype: torch.dtype
+) -> torch.nn.Module:
+    """The frozen teacher: built from `teacher_model`, loaded strictly from
+    `teacher_checkpointer`, in eval mode.
+    """
     teacher = config.instantiate(cfg.teacher_model)
-    training.load_model_state_dict(teacher, config.instantiate(cfg.teacher_checkpointer).load_checkpoint()["model"])
+    training.load_model_state_dict(
+        teacher, config.instantiate(cfg.teacher_checkpointer).load_checkpoint()["model"]
+    )
     teacher.requires_grad_(False)
     return teacher.to(device=device, dtype=dtype).eval()
 
 
-def kd_step(student, teacher, optimizer, micro_batches, step: int, kd_ratio: float, kd_loss_fn,
-            clip_grad_norm=None, lr_scheduler=None) -> dict:
-    "One optimizer step of (1 - kd_ratio) * CE + kd_ratio * forward KL, normalised by the step's trained tokens."
+def kd_step(
+    student,
+    teacher,
+    optimizer,
+    micro_batches,
+    step: int,
+    kd_ratio: float,
+    kd_loss_fn,
+    clip_grad_norm=None,
+    lr_scheduler=None,
+) -> dict:
+    """One optimizer step of (1 - kd_ratio) * CE + kd_ratio * forward KL, normalised by
+    the step's trained tokens.
+    """
     start = time.perf_counter()
     ce_sum, kd_sum, tokens = 0.0, 0.0, 0
     for batch in micro_batches:
@@ -42,35 +59,63 @@ def kd_step(student, teacher, optimizer, micro_batches, step: int, kd_ratio: flo
         ce = training.summed_cross_entropy(student_logits, labels)
         kd = kd_loss_fn(student_logits, teacher_logits, labels, normalize=False)
         ((1 - kd_ratio) * ce + kd_ratio * kd).backward()
-        ce_sum, kd_sum, tokens = ce_sum + ce.item(), kd_sum + kd.item(), tokens + int((labels != -100).sum())
+        ce_sum, kd_sum, tokens = (
+            ce_sum + ce.item(),
+            kd_sum + kd.item(),
+            tokens + int((labels != -100).sum()),
+        )
     if tokens == 0:
-        raise RuntimeError(f"step {step} has no trained token; check the dataset's masking and max_seq_len.")
+        raise RuntimeError(
+            f"step {step} has no trained token; check the dataset's "
+            "masking and max_seq_len."
+        )
     loss = ((1 - kd_ratio) * ce_sum + kd_ratio * kd_sum) / tokens
     training.check_loss_is_finite(loss, step)
     training.scale_grads(student, 1.0 / tokens)
     if clip_grad_norm:
-        torch.nn.utils.clip_grad_norm_([p for p in student.parameters() if p.requires_grad], clip_grad_norm)
+        torch.nn.utils.clip_grad_norm_(
+            [p for p in student.parameters() if p.requires_grad], clip_grad_norm
+        )
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     if lr_scheduler is not None:
         lr_scheduler.step()
-    return {"step": step, "loss": loss, "ce_loss": ce_sum / tokens, "kd_loss": kd_sum / tokens,
-            "lr": optimizer.param_groups[0]["lr"], "tokens": tokens,
-            "tokens_per_second": tokens / (time.perf_counter() - start)}
+    return {
+        "step": step,
+        "loss": loss,
+        "ce_loss": ce_sum / tokens,
+        "kd_loss": kd_sum / tokens,
+        "lr": optimizer.param_groups[0]["lr"],
+        "tokens": tokens,
+        "tokens_per_second": tokens / (time.perf_counter() - start),
+    }
 
 
 def held_out_batches(cfg: DictConfig, tokenizer, device: torch.device) -> list[dict]:
-    "Up to `kl_eval_batches` batches of `kl_eval_dataset` (data the student does not train on), unshuffled."
+    """Up to `kl_eval_batches` batches of `kl_eval_dataset` (data the student does not
+    train on), unshuffled.
+    """
     from torch.utils.data import DataLoader
     import torchtune_lit.data as data
+
     dataset = config.instantiate(cfg.kl_eval_dataset, tokenizer)
-    loader = DataLoader(dataset, batch_size=cfg.batch_size, shuffle=False, collate_fn=data.padded_collate_sft)
-    return [{k: v.to(device) for k, v in batch.items()} for batch, _ in zip(loader, range(cfg.get("kl_eval_batches", 4)))]
+    loader = DataLoader(
+        dataset,
+        batch_size=cfg.batch_size,
+        shuffle=False,
+        collate_fn=data.padded_collate_sft,
+    )
+    return [
+        {k: v.to(device) for k, v in batch.items()}
+        for batch, _ in zip(loader, range(cfg.get("kl_eval_batches", 4)))
+    ]
 
 
 @torch.no_grad()
 def kl_to_teacher(student, teacher, batches: list[dict]) -> float:
-    "Mean KL(teacher || student) per trained token over `batches` — 0 when the student matches the teacher."
+    """Mean KL(teacher || student) per trained token over `batches` — 0 when the student
+    matches the teacher.
+    """
     was_training = student.training
     student.eval()
     total, tokens = 0.0, 0
@@ -86,63 +131,127 @@ def kl_to_teacher(student, teacher, batches: list[dict]) -> float:
 
 # %% ../../nbs/85_knowledge_distillation_single_device.ipynb #9c31e738
 def train(cfg: DictConfig) -> dict:
-    "Run the recipe; returns the step metrics and the held-out KL to the teacher before and after."
+    """Run the recipe; returns the step metrics and the held-out KL to the teacher
+    before and after.
+    """
     device, dtype, generator, output_dir = training.setup_run(cfg)
     checkpointer = config.instantiate(cfg.checkpointer)
     student = full_finetune.load_model(cfg, checkpointer, device, dtype)
     teacher = load_teacher(cfg, device, dtype)
     if student.tok_embeddings.num_embeddings != teacher.tok_embeddings.num_embeddings:
-        raise ValueError(f"student vocabulary {student.tok_embeddings.num_embeddings} != teacher vocabulary "
-                         f"{teacher.tok_embeddings.num_embeddings}: distillation compares distributions over the same "
-                         "tokens; use a student and a teacher of the same tokenizer.")
+        raise ValueError(
+            "student vocabulary "
+            f"{student.tok_embeddings.num_embeddings} != teacher vocabulary "
+            f"{teacher.tok_embeddings.num_embeddings}: distillation compares "
+            "distributions over the same tokens; use a student and a teacher of the "
+            "same tokenizer."
+        )
     tokenizer = config.instantiate(cfg.tokenizer)
     loader = full_finetune.build_dataloader(cfg, tokenizer, generator)
     held_out = held_out_batches(cfg, tokenizer, device)
-    val_loader = full_finetune.build_validation_loader(cfg, tokenizer)     # optional: the student's held-out CE
-    optimizer = config.instantiate(cfg.optimizer, [p for p in student.parameters() if p.requires_grad])
-    accumulation, steps_per_epoch, total_steps, lr_scheduler = training.training_schedule(cfg, len(loader), optimizer)
+    # optional: the student's held-out CE
+    val_loader = full_finetune.build_validation_loader(cfg, tokenizer)
+    optimizer = config.instantiate(
+        cfg.optimizer, [p for p in student.parameters() if p.requires_grad]
+    )
+    accumulation, steps_per_epoch, total_steps, lr_scheduler = (
+        training.training_schedule(cfg, len(loader), optimizer)
+    )
     kd_loss_fn = config.instantiate(cfg.kd_loss)
-    if cfg.get("preflight", True):              # the student's data, tokenizer, checkpoint and memory (without the teacher)
-        report = training.preflight.preflight_report(cfg, model=student, tokenizer=tokenizer, dataset=loader.dataset)
+    # the student's data, tokenizer, checkpoint and memory (without the teacher)
+    if cfg.get("preflight", True):
+        report = training.preflight.preflight_report(
+            cfg, model=student, tokenizer=tokenizer, dataset=loader.dataset
+        )
         training.preflight.save_report(report, output_dir)
         print(training.preflight.format_report(report))
-    resumed = full_finetune.resume_state(cfg, student)          # the student's weights + recipe state
-    start_epoch, skip, step, pending_rng = training.resume_position(resumed, optimizer, lr_scheduler, generator,
-                                                                    output_dir / "log.jsonl")
-    kl_before = resumed["kl_before"] if resumed else kl_to_teacher(student, teacher, held_out)
+    # the student's weights + recipe state
+    resumed = full_finetune.resume_state(cfg, student)
+    start_epoch, skip, step, pending_rng = training.resume_position(
+        resumed, optimizer, lr_scheduler, generator, output_dir / "log.jsonl"
+    )
+    kl_before = (
+        resumed["kl_before"] if resumed else kl_to_teacher(student, teacher, held_out)
+    )
     logger, history = training.JsonlLogger(output_dir), []
-    progress = tqdm(total=total_steps, initial=step, desc="distil", disable=not cfg.get("progress_bar", True))
+    progress = tqdm(
+        total=total_steps,
+        initial=step,
+        desc="distil",
+        disable=not cfg.get("progress_bar", True),
+    )
     for epoch in range(start_epoch, cfg.epochs):
         epoch_generator_state = generator.get_state()
         batches = iter(loader)
         for i in range(steps_per_epoch):
-            micro = [{k: v.to(device) for k, v in next(batches).items()} for _ in range(accumulation)]
+            micro = [
+                {k: v.to(device) for k, v in next(batches).items()}
+                for _ in range(accumulation)
+            ]
             if epoch == start_epoch and i < skip:
-                continue                                  # already trained before the resume
+                # already trained before the resume
+                continue
             if pending_rng is not None:
                 training.restore_rng_state(pending_rng)
                 pending_rng = None
             step += 1
-            metrics = kd_step(student, teacher, optimizer, micro, step, cfg.kd_ratio, kd_loss_fn,
-                              cfg.get("clip_grad_norm"), lr_scheduler)
-            if val_loader is not None and step % cfg.get("run_val_every_n_steps", steps_per_epoch) == 0:
-                metrics["val_loss"] = training.validation_loss(student, val_loader, device, cfg.get("max_validation_batches"))
+            metrics = kd_step(
+                student,
+                teacher,
+                optimizer,
+                micro,
+                step,
+                cfg.kd_ratio,
+                kd_loss_fn,
+                cfg.get("clip_grad_norm"),
+                lr_scheduler,
+            )
+            if (
+                val_loader is not None
+                and step % cfg.get("run_val_every_n_steps", steps_per_epoch) == 0
+            ):
+                metrics["val_loss"] = training.validation_loss(
+                    student, val_loader, device, cfg.get("max_validation_batches")
+                )
             logger.log(epoch=epoch, **metrics)
             history.append(metrics)
             progress.update(1)
-            progress.set_postfix(loss=f"{metrics['loss']:.3f}", kd=f"{metrics['kd_loss']:.3f}")
-            if cfg.get("save_every_n_steps") and step % cfg.save_every_n_steps == 0 and step < total_steps:
-                state = training.make_recipe_state(optimizer, lr_scheduler, epoch, i + 1, step, epoch_generator_state)
-                checkpointer.save_checkpoint({"model": student.state_dict(), "kl_before": kl_before, **state},
-                                             epoch=epoch, intermediate_checkpoint=True, step=step)
-                training.prune_step_checkpoints(output_dir, cfg.get("keep_last_n_checkpoints", 2))
+            progress.set_postfix(
+                loss=f"{metrics['loss']:.3f}", kd=f"{metrics['kd_loss']:.3f}"
+            )
+            if (
+                cfg.get("save_every_n_steps")
+                and step % cfg.save_every_n_steps == 0
+                and step < total_steps
+            ):
+                state = training.make_recipe_state(
+                    optimizer, lr_scheduler, epoch, i + 1, step, epoch_generator_state
+                )
+                checkpointer.save_checkpoint(
+                    {"model": student.state_dict(), "kl_before": kl_before, **state},
+                    epoch=epoch,
+                    intermediate_checkpoint=True,
+                    step=step,
+                )
+                training.prune_step_checkpoints(
+                    output_dir, cfg.get("keep_last_n_checkpoints", 2)
+                )
     progress.close()
     kl_after = kl_to_teacher(student, teacher, held_out)
     logger.close()
-    (output_dir / "kl_to_teacher.json").write_text(json.dumps({"before": kl_before, "after": kl_after}))
-    folder = checkpointer.save_checkpoint({"model": student.state_dict()}, epoch=cfg.epochs - 1)
+    (output_dir / "kl_to_teacher.json").write_text(
+        json.dumps({"before": kl_before, "after": kl_after})
+    )
+    folder = checkpointer.save_checkpoint(
+        {"model": student.state_dict()}, epoch=cfg.epochs - 1
+    )
     print(f"Saved the student in Hugging Face format to {folder}")
-    return {"history": history, "kl_before": kl_before, "kl_after": kl_after, "folder": folder}
+    return {
+        "history": history,
+        "kl_before": kl_before,
+        "kl_after": kl_after,
+        "folder": folder,
+    }
 
 # %% ../../nbs/85_knowledge_distillation_single_device.ipynb #a32c7854
 @config.parse
@@ -150,8 +259,11 @@ def recipe_main(cfg: DictConfig) -> None:
     "Entry point: `tunelit run knowledge_distillation_single_device --config tiny/kd`."
     result = train(cfg)
     history = result["history"]
-    print(f"Trained {len(history)} steps: loss {history[0]['loss']:.3f} -> {history[-1]['loss']:.3f}; "
-          f"KL(teacher || student) per token on held-out batches {result['kl_before']:.3f} -> {result['kl_after']:.3f}.")
+    print(
+        f"Trained {len(history)} steps: loss {history[0]['loss']:.3f} -> "
+        f"{history[-1]['loss']:.3f}; KL(teacher || student) per token on held-out "
+        f"batches {result['kl_before']:.3f} -> {result['kl_after']:.3f}."
+    )
 
 # %% ../../nbs/85_knowledge_distillation_single_device.ipynb #f1ffebd3
 #| eval: false

@@ -23,20 +23,39 @@ import torchtune_lit.rlhf.loss as preference_losses
 import torchtune_lit.training as training
 
 # %% ../../nbs/84_lora_dpo_single_device.ipynb #0dab1dfe
-def _pair_losses(model, loss_fn, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    "Per-pair losses and chosen/rejected rewards of one preference batch (chosen rows first)."
+def _pair_losses(
+    model, loss_fn, batch
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-pair losses and chosen/rejected rewards of one preference batch (chosen rows
+    first).
+    """
     reference_free = isinstance(loss_fn, preference_losses.SimPOLoss)
     policy = rlhf.concatenated_forward(model, batch, average_logprobs=reference_free)
     if reference_free:
         return loss_fn(policy.chosen_logps, policy.rejected_logps)
     with torch.no_grad(), peft.disable_adapter(model):
         reference = rlhf.concatenated_forward(model, batch)
-    return loss_fn(policy.chosen_logps, policy.rejected_logps, reference.chosen_logps, reference.rejected_logps)
+    return loss_fn(
+        policy.chosen_logps,
+        policy.rejected_logps,
+        reference.chosen_logps,
+        reference.rejected_logps,
+    )
 
 
-def dpo_step(model, loss_fn, micro_batches: list, optimizer, step: int, clip_grad_norm=None, lr_scheduler=None) -> dict:
-    """One optimizer step over `micro_batches` (preference batches, chosen rows first): the loss is the mean over all
-    their pairs — each micro-batch back-propagates its pairs' summed loss divided by the total pair count."""
+def dpo_step(
+    model,
+    loss_fn,
+    micro_batches: list,
+    optimizer,
+    step: int,
+    clip_grad_norm=None,
+    lr_scheduler=None,
+) -> dict:
+    """One optimizer step over `micro_batches` (preference batches, chosen rows first):
+    the loss is the mean over all their pairs — each micro-batch back-propagates its
+    pairs' summed loss divided by the total pair count.
+    """
     pairs = sum(batch[0].shape[0] // 2 for batch in micro_batches)
     loss_sum, chosen, rejected = 0.0, [], []
     for batch in micro_batches:
@@ -48,29 +67,45 @@ def dpo_step(model, loss_fn, micro_batches: list, optimizer, step: int, clip_gra
     loss = loss_sum / pairs
     training.check_loss_is_finite(loss, step)
     if clip_grad_norm:
-        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], clip_grad_norm)
+        torch.nn.utils.clip_grad_norm_(
+            [p for p in model.parameters() if p.requires_grad], clip_grad_norm
+        )
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     if lr_scheduler is not None:
         lr_scheduler.step()
     chosen_r, rejected_r = torch.cat(chosen), torch.cat(rejected)
-    return {"step": step, "loss": loss, "lr": optimizer.param_groups[0]["lr"], "pairs": pairs,
-            "rewards/chosen": chosen_r.mean().item(), "rewards/rejected": rejected_r.mean().item(),
-            "rewards/margin": (chosen_r - rejected_r).mean().item(),
-            "rewards/accuracy": (chosen_r > rejected_r).float().mean().item()}
+    return {
+        "step": step,
+        "loss": loss,
+        "lr": optimizer.param_groups[0]["lr"],
+        "pairs": pairs,
+        "rewards/chosen": chosen_r.mean().item(),
+        "rewards/rejected": rejected_r.mean().item(),
+        "rewards/margin": (chosen_r - rejected_r).mean().item(),
+        "rewards/accuracy": (chosen_r > rejected_r).float().mean().item(),
+    }
 
 
 @torch.no_grad()
 def validation_metrics(model, loss_fn, loader, device, max_batches=None) -> dict:
-    "DPO loss and reward accuracy over (up to `max_batches` of) held-out preference pairs, in eval mode."
+    """DPO loss and reward accuracy over (up to `max_batches` of) held-out preference
+    pairs, in eval mode.
+    """
     was_training = model.training
     model.eval()
     loss_sum, correct, pairs = 0.0, 0, 0
     for i, batch in enumerate(loader):
         if max_batches is not None and i >= max_batches:
             break
-        losses, chosen_r, rejected_r = _pair_losses(model, loss_fn, tuple(t.to(device) for t in batch))
-        loss_sum, correct, pairs = loss_sum + losses.sum().item(), correct + int((chosen_r > rejected_r).sum()), pairs + len(losses)
+        losses, chosen_r, rejected_r = _pair_losses(
+            model, loss_fn, tuple(t.to(device) for t in batch)
+        )
+        loss_sum, correct, pairs = (
+            loss_sum + losses.sum().item(),
+            correct + int((chosen_r > rejected_r).sum()),
+            pairs + len(losses),
+        )
     model.train(was_training)
     return {"val_loss": loss_sum / pairs, "val_rewards/accuracy": correct / pairs}
 
@@ -82,67 +117,156 @@ def train(cfg: DictConfig) -> list[dict]:
     model = lora_recipe.load_lora_model(cfg, checkpointer, device, dtype)
     tokenizer = config.instantiate(cfg.tokenizer)
     dataset = config.instantiate(cfg.dataset, tokenizer)
-    if cfg.get("sanity_check"):                   # `tunelit run ... --sanity`: overfit a handful of pairs
-        dataset = torch.utils.data.Subset(dataset, range(min(cfg.sanity_check, len(dataset))))
-    loader = DataLoader(dataset, batch_size=cfg.batch_size, shuffle=True, generator=generator, drop_last=True,
-                        collate_fn=data.padded_collate_dpo)
-    optimizer = config.instantiate(cfg.optimizer, [p for p in model.parameters() if p.requires_grad])
+    # `tunelit run ... --sanity`: overfit a handful of pairs
+    if cfg.get("sanity_check"):
+        dataset = torch.utils.data.Subset(
+            dataset, range(min(cfg.sanity_check, len(dataset)))
+        )
+    loader = DataLoader(
+        dataset,
+        batch_size=cfg.batch_size,
+        shuffle=True,
+        generator=generator,
+        drop_last=True,
+        collate_fn=data.padded_collate_dpo,
+    )
+    optimizer = config.instantiate(
+        cfg.optimizer, [p for p in model.parameters() if p.requires_grad]
+    )
     loss_fn = config.instantiate(cfg.loss)
-    val_loader = (DataLoader(config.instantiate(cfg.validation_dataset, tokenizer), batch_size=cfg.batch_size,
-                             collate_fn=data.padded_collate_dpo) if cfg.get("validation_dataset") else None)
-    if cfg.get("preflight", True):              # the checks see each pair's chosen conversation
-        report = training.preflight.preflight_report(cfg, model=model, tokenizer=tokenizer,
-                                                     dataset=training.preflight.ChosenView(dataset))
+    val_loader = (
+        DataLoader(
+            config.instantiate(cfg.validation_dataset, tokenizer),
+            batch_size=cfg.batch_size,
+            collate_fn=data.padded_collate_dpo,
+        )
+        if cfg.get("validation_dataset")
+        else None
+    )
+    # the checks see each pair's chosen conversation
+    if cfg.get("preflight", True):
+        report = training.preflight.preflight_report(
+            cfg,
+            model=model,
+            tokenizer=tokenizer,
+            dataset=training.preflight.ChosenView(dataset),
+        )
         training.preflight.save_report(report, output_dir)
         print(training.preflight.format_report(report))
-    accumulation, steps_per_epoch, total_steps, lr_scheduler = training.training_schedule(cfg, len(loader), optimizer)
+    accumulation, steps_per_epoch, total_steps, lr_scheduler = (
+        training.training_schedule(cfg, len(loader), optimizer)
+    )
     lora = lora_recipe.adapter_config(cfg)
-    resumed = lora_recipe.resume_state(cfg, model)               # the LoRA recipe's: adapters + recipe state
-    start_epoch, skip, step, pending_rng = training.resume_position(resumed, optimizer, lr_scheduler, generator,
-                                                                    output_dir / "log.jsonl")
+    # the LoRA recipe's: adapters + recipe state
+    resumed = lora_recipe.resume_state(cfg, model)
+    start_epoch, skip, step, pending_rng = training.resume_position(
+        resumed, optimizer, lr_scheduler, generator, output_dir / "log.jsonl"
+    )
     logger, history = training.JsonlLogger(output_dir), []
-    progress = tqdm(total=total_steps, initial=step, desc="dpo", disable=not cfg.get("progress_bar", True))
+    progress = tqdm(
+        total=total_steps,
+        initial=step,
+        desc="dpo",
+        disable=not cfg.get("progress_bar", True),
+    )
     for epoch in range(start_epoch, cfg.epochs):
         epoch_generator_state = generator.get_state()
         batches = iter(loader)
         for i in range(steps_per_epoch):
-            micro = [tuple(t.to(device) for t in next(batches)) for _ in range(accumulation)]
+            micro = [
+                tuple(t.to(device) for t in next(batches)) for _ in range(accumulation)
+            ]
             if epoch == start_epoch and i < skip:
-                continue                                  # already trained before the resume
+                # already trained before the resume
+                continue
             if pending_rng is not None:
                 training.restore_rng_state(pending_rng)
                 pending_rng = None
             step += 1
-            metrics = dpo_step(model, loss_fn, micro, optimizer, step, cfg.get("clip_grad_norm"), lr_scheduler)
-            if val_loader is not None and step % cfg.get("run_val_every_n_steps", steps_per_epoch) == 0:
-                metrics.update(validation_metrics(model, loss_fn, val_loader, device, cfg.get("max_validation_batches")))
+            metrics = dpo_step(
+                model,
+                loss_fn,
+                micro,
+                optimizer,
+                step,
+                cfg.get("clip_grad_norm"),
+                lr_scheduler,
+            )
+            if (
+                val_loader is not None
+                and step % cfg.get("run_val_every_n_steps", steps_per_epoch) == 0
+            ):
+                metrics.update(
+                    validation_metrics(
+                        model,
+                        loss_fn,
+                        val_loader,
+                        device,
+                        cfg.get("max_validation_batches"),
+                    )
+                )
             logger.log(epoch=epoch, **metrics)
             history.append(metrics)
             progress.update(1)
-            progress.set_postfix(loss=f"{metrics['loss']:.4f}", margin=f"{metrics['rewards/margin']:.3f}")
-            if cfg.get("save_every_n_steps") and step % cfg.save_every_n_steps == 0 and step < total_steps:
+            progress.set_postfix(
+                loss=f"{metrics['loss']:.4f}", margin=f"{metrics['rewards/margin']:.3f}"
+            )
+            if (
+                cfg.get("save_every_n_steps")
+                and step % cfg.save_every_n_steps == 0
+                and step < total_steps
+            ):
                 adapter = peft.get_adapter_state_dict(model.state_dict())
-                state = training.make_recipe_state(optimizer, lr_scheduler, epoch, i + 1, step, epoch_generator_state)
-                checkpointer.save_checkpoint({"adapter": adapter, "adapter_config": lora, "adapter_weights": adapter, **state},
-                                             epoch=epoch, intermediate_checkpoint=True, adapter_only=True, step=step)
-                training.prune_step_checkpoints(output_dir, cfg.get("keep_last_n_checkpoints", 2))
+                state = training.make_recipe_state(
+                    optimizer, lr_scheduler, epoch, i + 1, step, epoch_generator_state
+                )
+                checkpointer.save_checkpoint(
+                    {
+                        "adapter": adapter,
+                        "adapter_config": lora,
+                        "adapter_weights": adapter,
+                        **state,
+                    },
+                    epoch=epoch,
+                    intermediate_checkpoint=True,
+                    adapter_only=True,
+                    step=step,
+                )
+                training.prune_step_checkpoints(
+                    output_dir, cfg.get("keep_last_n_checkpoints", 2)
+                )
     progress.close()
     logger.close()
     state = model.state_dict()
-    folder = checkpointer.save_checkpoint({
-        "model": peft.get_merged_lora_ckpt(state, rank=lora["r"], alpha=lora["lora_alpha"]),
-        "adapter": peft.get_adapter_state_dict(state), "adapter_config": lora}, epoch=cfg.epochs - 1)
-    print(f"Saved the merged model to {folder} and the adapter (PEFT format) to {folder / 'adapter'}")
+    folder = checkpointer.save_checkpoint(
+        {
+            "model": peft.get_merged_lora_ckpt(
+                state, rank=lora["r"], alpha=lora["lora_alpha"]
+            ),
+            "adapter": peft.get_adapter_state_dict(state),
+            "adapter_config": lora,
+        },
+        epoch=cfg.epochs - 1,
+    )
+    print(
+        f"Saved the merged model to {folder} and the adapter (PEFT format) to "
+        f"{folder / 'adapter'}"
+    )
     return history
 
 # %% ../../nbs/84_lora_dpo_single_device.ipynb #3ddf1110
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
-    "Entry point: `tunelit run lora_dpo_single_device --config tiny/dpo [key=value ...]`."
+    """Entry point: `tunelit run lora_dpo_single_device --config tiny/dpo [key=value
+    ...]`.
+    """
     history = train(cfg)
     first, last = history[0], history[-1]
-    print(f"DPO: loss {first['loss']:.4f} -> {last['loss']:.4f}, reward margin {first['rewards/margin']:.3f} -> "
-          f"{last['rewards/margin']:.3f}, reward accuracy {last['rewards/accuracy']:.2f}")
+    print(
+        f"DPO: loss {first['loss']:.4f} -> {last['loss']:.4f}, reward margin "
+        f"{first['rewards/margin']:.3f} -> {last['rewards/margin']:.3f}, reward "
+        f"accuracy {last['rewards/accuracy']:.2f}"
+    )
 
 # %% ../../nbs/84_lora_dpo_single_device.ipynb #d585d6a1
 #| eval: false

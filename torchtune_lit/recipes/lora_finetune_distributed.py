@@ -24,25 +24,44 @@ import torchtune_lit.training as training
 import torchtune_lit.training._distributed as distributed
 
 # %% ../../nbs/83_lora_finetune_distributed.ipynb #532480e1
-def load_sharded_lora_model(cfg: DictConfig, checkpointer, rank: int, device: torch.device,
-                            dtype: torch.dtype, inspect=None) -> torch.nn.Module:
-    "The LoRA model, sharded; rank 0 alone builds it in full (seeded adapters + the base checkpoint) and broadcasts."
+def load_sharded_lora_model(
+    cfg: DictConfig,
+    checkpointer,
+    rank: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    inspect=None,
+) -> torch.nn.Module:
+    """The LoRA model, sharded; rank 0 alone builds it in full (seeded adapters + the
+    base checkpoint) and broadcasts.
+    """
     if cfg.model.get("quantize_base", False) or "qlora" in cfg.model._component_:
-        raise ValueError("lora_finetune_distributed does not shard QLoRA's NF4 base weights; run QLoRA with "
-                         "lora_finetune_single_device (an 8B model fits one 24 GB GPU), or use a LoRA model component.")
-    full_state = (lora_single.load_lora_model(cfg, checkpointer, torch.device("cpu"), dtype).state_dict()
-                  if rank == 0 else {})
+        raise ValueError(
+            "lora_finetune_distributed does not shard QLoRA's NF4 base "
+            "weights; run QLoRA with lora_finetune_single_device (an 8B model fits "
+            "one 24 GB GPU), or use a LoRA model component."
+        )
+    full_state = (
+        lora_single.load_lora_model(
+            cfg, checkpointer, torch.device("cpu"), dtype
+        ).state_dict()
+        if rank == 0
+        else {}
+    )
     with torch.device("meta"):
         model = config.instantiate(cfg.model).to(dtype)
     peft.set_trainable_params(model, peft.get_adapter_params(model))
-    if inspect is not None and rank == 0:       # the base checkpoint's keys are the full state's minus the adapters
+    # the base checkpoint's keys are the full state's minus the adapters
+    if inspect is not None and rank == 0:
         adapters = set(peft.get_adapter_params(model))
         inspect(model, {k: v for k, v in full_state.items() if k not in adapters})
     if cfg.get("enable_activation_checkpointing", False):
         training.set_activation_checkpointing(model)
     if cfg.get("compile", False):
         training.compile_model(model)
-    model = distributed.shard_model(model, reshard_after_forward=cfg.get("reshard_after_forward", True))
+    model = distributed.shard_model(
+        model, reshard_after_forward=cfg.get("reshard_after_forward", True)
+    )
     distributed.load_from_full_state_dict(model, full_state, device)
     return model
 
@@ -59,59 +78,135 @@ def train(cfg: DictConfig) -> list[dict]:
     checkpointer = config.instantiate(cfg.checkpointer)
     tokenizer = config.instantiate(cfg.tokenizer)
     dataset = config.instantiate(cfg.dataset, tokenizer)
-    model = load_sharded_lora_model(cfg, checkpointer, rank, device, dtype,
-                                    inspect=full_distributed.preflight_printer(cfg, tokenizer, dataset, output_dir, world_size))
+    model = load_sharded_lora_model(
+        cfg,
+        checkpointer,
+        rank,
+        device,
+        dtype,
+        inspect=full_distributed.preflight_printer(
+            cfg, tokenizer, dataset, output_dir, world_size
+        ),
+    )
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if rank == 0:
-        print(f"Training {trainable:,} adapter parameters of {sum(p.numel() for p in model.parameters()):,} "
-              f"on {world_size} processes.", flush=True)
-    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=cfg.get("shuffle", True),
-                                 seed=cfg.seed, drop_last=True)
+        print(
+            f"Training {trainable:,} adapter parameters of "
+            f"{sum(p.numel() for p in model.parameters()):,} on {world_size} "
+            "processes.",
+            flush=True,
+        )
+    sampler = DistributedSampler(
+        dataset,
+        num_replicas=world_size,
+        rank=rank,
+        shuffle=cfg.get("shuffle", True),
+        seed=cfg.seed,
+        drop_last=True,
+    )
     packed = cfg.dataset.get("packed", False)
-    loader = DataLoader(dataset, batch_size=cfg.batch_size, sampler=sampler, drop_last=True,
-                        collate_fn=data.padded_collate_packed if packed else data.padded_collate_sft)
-    optimizer = config.instantiate(cfg.optimizer, [p for p in model.parameters() if p.requires_grad])
+    loader = DataLoader(
+        dataset,
+        batch_size=cfg.batch_size,
+        sampler=sampler,
+        drop_last=True,
+        collate_fn=data.padded_collate_packed if packed else data.padded_collate_sft,
+    )
+    optimizer = config.instantiate(
+        cfg.optimizer, [p for p in model.parameters() if p.requires_grad]
+    )
     val_loader = full_distributed.validation_loader(cfg, tokenizer, rank, world_size)
-    accumulation, steps_per_epoch, total_steps, lr_scheduler = training.training_schedule(cfg, len(loader), optimizer)
-    start_epoch, skip, step, pending_rng = full_distributed.resume_sharded(cfg, model, optimizer, lr_scheduler, output_dir, rank)
+    accumulation, steps_per_epoch, total_steps, lr_scheduler = (
+        training.training_schedule(cfg, len(loader), optimizer)
+    )
+    start_epoch, skip, step, pending_rng = full_distributed.resume_sharded(
+        cfg, model, optimizer, lr_scheduler, output_dir, rank
+    )
     logger = training.JsonlLogger(output_dir) if rank == 0 else None
-    progress = tqdm(total=total_steps, initial=step, desc="train", disable=rank != 0 or not cfg.get("progress_bar", True))
+    progress = tqdm(
+        total=total_steps,
+        initial=step,
+        desc="train",
+        disable=rank != 0 or not cfg.get("progress_bar", True),
+    )
     history = []
     for epoch in range(start_epoch, cfg.epochs):
         sampler.set_epoch(epoch)
         batches = iter(loader)
         for i in range(steps_per_epoch):
-            micro = [{k: v.to(device) for k, v in next(batches).items()} for _ in range(accumulation)]
+            micro = [
+                {k: v.to(device) for k, v in next(batches).items()}
+                for _ in range(accumulation)
+            ]
             if epoch == start_epoch and i < skip:
                 continue
             if pending_rng is not None:
                 training.restore_rng_state(pending_rng)
                 pending_rng = None
             step += 1
-            metrics = full_distributed.distributed_step(model, optimizer, micro, step, device, world_size,
-                                                        cfg.get("clip_grad_norm"), lr_scheduler)
-            if val_loader is not None and step % cfg.get("run_val_every_n_steps", steps_per_epoch) == 0:
-                metrics["val_loss"] = full_distributed.distributed_validation_loss(model, val_loader, device, cfg.get("max_validation_batches"))
+            metrics = full_distributed.distributed_step(
+                model,
+                optimizer,
+                micro,
+                step,
+                device,
+                world_size,
+                cfg.get("clip_grad_norm"),
+                lr_scheduler,
+            )
+            if (
+                val_loader is not None
+                and step % cfg.get("run_val_every_n_steps", steps_per_epoch) == 0
+            ):
+                metrics["val_loss"] = full_distributed.distributed_validation_loss(
+                    model, val_loader, device, cfg.get("max_validation_batches")
+                )
             if rank == 0:
                 logger.log(epoch=epoch, **metrics)
                 history.append(metrics)
                 progress.update(1)
-                progress.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.1e}")
+                progress.set_postfix(
+                    loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.1e}"
+                )
                 if progress.disable:
                     print(f"step {step}: loss {metrics['loss']:.4f}", flush=True)
-            if cfg.get("save_every_n_steps") and step % cfg.save_every_n_steps == 0 and step < total_steps:
-                full_distributed.save_step_checkpoint(cfg, model, optimizer, lr_scheduler, generator, output_dir, rank,
-                                     epoch=epoch, steps_into_epoch=i + 1, step=step)
+            if (
+                cfg.get("save_every_n_steps")
+                and step % cfg.save_every_n_steps == 0
+                and step < total_steps
+            ):
+                full_distributed.save_step_checkpoint(
+                    cfg,
+                    model,
+                    optimizer,
+                    lr_scheduler,
+                    generator,
+                    output_dir,
+                    rank,
+                    epoch=epoch,
+                    steps_into_epoch=i + 1,
+                    step=step,
+                )
     progress.close()
     state = distributed.gather_full_state_dict(model)
     if rank == 0:
         logger.close()
         lora = lora_single.adapter_config(cfg)
-        folder = checkpointer.save_checkpoint({
-            "model": peft.get_merged_lora_ckpt(state, rank=lora["r"], alpha=lora["lora_alpha"]),
-            "adapter": peft.get_adapter_state_dict(state), "adapter_config": lora}, epoch=cfg.epochs - 1)
-        print(f"Saved the merged model (Hugging Face format) to {folder} and the adapter (PEFT format) to "
-              f"{folder / 'adapter'}", flush=True)
+        folder = checkpointer.save_checkpoint(
+            {
+                "model": peft.get_merged_lora_ckpt(
+                    state, rank=lora["r"], alpha=lora["lora_alpha"]
+                ),
+                "adapter": peft.get_adapter_state_dict(state),
+                "adapter_config": lora,
+            },
+            epoch=cfg.epochs - 1,
+        )
+        print(
+            f"Saved the merged model (Hugging Face format) to {folder} and the "
+            f"adapter (PEFT format) to {folder / 'adapter'}",
+            flush=True,
+        )
     dist.barrier()
     dist.destroy_process_group()
     return history
@@ -119,7 +214,9 @@ def train(cfg: DictConfig) -> list[dict]:
 # %% ../../nbs/83_lora_finetune_distributed.ipynb #bd59c7bc
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
-    "Entry point: `tunelit run --nproc_per_node N lora_finetune_distributed --config tiny/lora_distributed`."
+    """Entry point: `tunelit run --nproc_per_node N lora_finetune_distributed --config
+    tiny/lora_distributed`.
+    """
     train(cfg)
 
 # %% ../../nbs/83_lora_finetune_distributed.ipynb #518d8b04

@@ -20,11 +20,17 @@ import torchtune_lit.training as training
 import torchtune_lit.recipes.full_finetune_single_device as full_finetune
 
 # %% ../../nbs/81_lora_finetune_single_device.ipynb #da21e271
-def load_lora_model(cfg: DictConfig, checkpointer, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    "The LoRA model with the base checkpoint loaded (only adapters may be missing) and only adapters trainable."
+def load_lora_model(
+    cfg: DictConfig, checkpointer, device: torch.device, dtype: torch.dtype
+) -> torch.nn.Module:
+    """The LoRA model with the base checkpoint loaded (only adapters may be missing) and
+    only adapters trainable.
+    """
     model = config.instantiate(cfg.model)
     adapter_params = peft.get_adapter_params(model)
-    training.load_model_state_dict(model, checkpointer.load_checkpoint()["model"], allowed_missing=adapter_params)
+    training.load_model_state_dict(
+        model, checkpointer.load_checkpoint()["model"], allowed_missing=adapter_params
+    )
     for module in model.modules():
         if isinstance(module, peft.DoRALinear):
             module.initialize_dora_magnitude()
@@ -40,104 +46,190 @@ def load_lora_model(cfg: DictConfig, checkpointer, device: torch.device, dtype: 
 def adapter_config(cfg: DictConfig) -> dict:
     "What PEFT's adapter_config.json needs, from the model component's LoRA options."
     m = cfg.model
-    return {"r": m.get("lora_rank", 8), "lora_alpha": m.get("lora_alpha", 16.0), "use_dora": m.get("use_dora", False),
-            "lora_dropout": m.get("lora_dropout", 0.0),
-            "target_modules": peft.get_lora_module_names(m.lora_attn_modules, m.get("apply_lora_to_mlp", False),
-                                                         m.get("apply_lora_to_output", False))}
+    return {
+        "r": m.get("lora_rank", 8),
+        "lora_alpha": m.get("lora_alpha", 16.0),
+        "use_dora": m.get("use_dora", False),
+        "lora_dropout": m.get("lora_dropout", 0.0),
+        "target_modules": peft.get_lora_module_names(
+            m.lora_attn_modules,
+            m.get("apply_lora_to_mlp", False),
+            m.get("apply_lora_to_output", False),
+        ),
+    }
 
 # %% ../../nbs/81_lora_finetune_single_device.ipynb #618fcb56
 def resume_state(cfg: DictConfig, model: torch.nn.Module) -> Optional[dict]:
-    "With resume_from_checkpoint, the newest step checkpoint's recipe state, its adapter weights loaded into `model`."
+    """With resume_from_checkpoint, the newest step checkpoint's recipe state, its
+    adapter weights loaded into `model`.
+    """
     if not cfg.get("resume_from_checkpoint", False):
         return None
     folder = training.latest_step_checkpoint(cfg.output_dir)
     if folder is None:
-        raise FileNotFoundError(f"resume_from_checkpoint=true but {cfg.output_dir} has no step_N checkpoint with "
-                                "recipe_state.pt; run with save_every_n_steps first, or drop resume_from_checkpoint.")
+        raise FileNotFoundError(
+            f"resume_from_checkpoint=true but {cfg.output_dir} "
+            "has no step_N checkpoint with recipe_state.pt; run with "
+            "save_every_n_steps first, or drop resume_from_checkpoint."
+        )
     state = training.load_recipe_state(folder)
     missing, unexpected = model.load_state_dict(state["adapter_weights"], strict=False)
-    if unexpected or set(peft.get_adapter_params(model)) - set(state["adapter_weights"]):
-        raise RuntimeError(f"{folder} does not hold this model's adapters (unexpected {unexpected[:3]}); check the LoRA options.")
+    if unexpected or set(peft.get_adapter_params(model)) - set(
+        state["adapter_weights"]
+    ):
+        raise RuntimeError(
+            f"{folder} does not hold this model's adapters "
+            f"(unexpected {unexpected[:3]}); check the LoRA options."
+        )
     print(f"Resuming from {folder}")
     return state
 
 
 def train(cfg: DictConfig) -> list[dict]:
-    "Run the recipe described by `cfg`; return the metrics of every optimizer step it ran."
+    """Run the recipe described by `cfg`; return the metrics of every optimizer step it
+    ran.
+    """
     device, dtype, generator, output_dir = training.setup_run(cfg)
 
     checkpointer = config.instantiate(cfg.checkpointer)
     model = load_lora_model(cfg, checkpointer, device, dtype)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    print(f"Training {trainable:,} adapter parameters of {sum(p.numel() for p in model.parameters()):,}.")
+    print(
+        f"Training {trainable:,} adapter parameters of "
+        f"{sum(p.numel() for p in model.parameters()):,}."
+    )
     tokenizer = config.instantiate(cfg.tokenizer)
     loader = full_finetune.build_dataloader(cfg, tokenizer, generator)
     val_loader = full_finetune.build_validation_loader(cfg, tokenizer)
-    optimizer = config.instantiate(cfg.optimizer, [p for p in model.parameters() if p.requires_grad])
+    optimizer = config.instantiate(
+        cfg.optimizer, [p for p in model.parameters() if p.requires_grad]
+    )
     if cfg.get("preflight", True):
-        report = training.preflight.preflight_report(cfg, model=model, tokenizer=tokenizer, dataset=loader.dataset)
+        report = training.preflight.preflight_report(
+            cfg, model=model, tokenizer=tokenizer, dataset=loader.dataset
+        )
         training.preflight.save_report(report, output_dir)
         print(training.preflight.format_report(report))
-    accumulation, steps_per_epoch, total_steps, lr_scheduler = training.training_schedule(cfg, len(loader), optimizer)
+    accumulation, steps_per_epoch, total_steps, lr_scheduler = (
+        training.training_schedule(cfg, len(loader), optimizer)
+    )
     lora = adapter_config(cfg)
 
     resumed = resume_state(cfg, model)
-    start_epoch, skip, step, pending_rng = training.resume_position(resumed, optimizer, lr_scheduler, generator,
-                                                                    output_dir / "log.jsonl")
+    start_epoch, skip, step, pending_rng = training.resume_position(
+        resumed, optimizer, lr_scheduler, generator, output_dir / "log.jsonl"
+    )
     logger, history = training.JsonlLogger(output_dir), []
-    extra_logger = config.instantiate(cfg.get("metric_logger"))       # optional: TensorBoard, W&B, MLflow, stdout
-    progress = tqdm(total=total_steps, initial=step, desc="train", disable=not cfg.get("progress_bar", True))
+    # optional: TensorBoard, W&B, MLflow, stdout
+    extra_logger = config.instantiate(cfg.get("metric_logger"))
+    progress = tqdm(
+        total=total_steps,
+        initial=step,
+        desc="train",
+        disable=not cfg.get("progress_bar", True),
+    )
     for epoch in range(start_epoch, cfg.epochs):
         epoch_generator_state = generator.get_state()
         batches = iter(loader)
         for i in range(steps_per_epoch):
-            micro = [{k: v.to(device) for k, v in next(batches).items()} for _ in range(accumulation)]
+            micro = [
+                {k: v.to(device) for k, v in next(batches).items()}
+                for _ in range(accumulation)
+            ]
             if epoch == start_epoch and i < skip:
-                continue                                  # already trained before the resume
+                # already trained before the resume
+                continue
             if pending_rng is not None:
                 training.restore_rng_state(pending_rng)
                 pending_rng = None
             step += 1
-            metrics = training.train_step(model, optimizer, micro, step, cfg.get("clip_grad_norm"), lr_scheduler)
+            metrics = training.train_step(
+                model, optimizer, micro, step, cfg.get("clip_grad_norm"), lr_scheduler
+            )
             if step == 1:
-                warning = training.preflight.check_first_loss(metrics["loss"], model.tok_embeddings.num_embeddings,
-                                                              pretrained=bool(cfg.checkpointer.get("checkpoint_files", True)))
+                warning = training.preflight.check_first_loss(
+                    metrics["loss"],
+                    model.tok_embeddings.num_embeddings,
+                    pretrained=bool(cfg.checkpointer.get("checkpoint_files", True)),
+                )
                 if warning:
                     print(f"WARNING: {warning}")
-            if val_loader is not None and step % cfg.get("run_val_every_n_steps", steps_per_epoch) == 0:
-                metrics["val_loss"] = training.validation_loss(model, val_loader, device, cfg.get("max_validation_batches"))
+            if (
+                val_loader is not None
+                and step % cfg.get("run_val_every_n_steps", steps_per_epoch) == 0
+            ):
+                metrics["val_loss"] = training.validation_loss(
+                    model, val_loader, device, cfg.get("max_validation_batches")
+                )
             metrics.update(training.get_memory_stats(device))
             logger.log(epoch=epoch, **metrics)
             if extra_logger is not None:
                 extra_logger.log_dict(metrics, step)
             history.append(metrics)
             progress.update(1)
-            progress.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.1e}", tok_s=f"{metrics['tokens_per_second']:.0f}")
-            if cfg.get("save_every_n_steps") and step % cfg.save_every_n_steps == 0 and step < total_steps:
+            progress.set_postfix(
+                loss=f"{metrics['loss']:.4f}",
+                lr=f"{metrics['lr']:.1e}",
+                tok_s=f"{metrics['tokens_per_second']:.0f}",
+            )
+            if (
+                cfg.get("save_every_n_steps")
+                and step % cfg.save_every_n_steps == 0
+                and step < total_steps
+            ):
                 adapter = peft.get_adapter_state_dict(model.state_dict())
-                state = training.make_recipe_state(optimizer, lr_scheduler, epoch, i + 1, step, epoch_generator_state)
-                checkpointer.save_checkpoint({"adapter": adapter, "adapter_config": lora, "adapter_weights": adapter, **state},
-                                             epoch=epoch, intermediate_checkpoint=True, adapter_only=True, step=step)
-                training.prune_step_checkpoints(output_dir, cfg.get("keep_last_n_checkpoints", 2))
+                state = training.make_recipe_state(
+                    optimizer, lr_scheduler, epoch, i + 1, step, epoch_generator_state
+                )
+                checkpointer.save_checkpoint(
+                    {
+                        "adapter": adapter,
+                        "adapter_config": lora,
+                        "adapter_weights": adapter,
+                        **state,
+                    },
+                    epoch=epoch,
+                    intermediate_checkpoint=True,
+                    adapter_only=True,
+                    step=step,
+                )
+                training.prune_step_checkpoints(
+                    output_dir, cfg.get("keep_last_n_checkpoints", 2)
+                )
     progress.close()
     logger.close()
     if extra_logger is not None:
         extra_logger.close()
 
     state = model.state_dict()
-    folder = checkpointer.save_checkpoint({
-        "model": peft.get_merged_lora_ckpt(state, rank=lora["r"], alpha=lora["lora_alpha"]),
-        "adapter": peft.get_adapter_state_dict(state), "adapter_config": lora}, epoch=cfg.epochs - 1)
-    print(f"Saved the merged model (Hugging Face format) to {folder} and the adapter (PEFT format) to {folder / 'adapter'}")
+    folder = checkpointer.save_checkpoint(
+        {
+            "model": peft.get_merged_lora_ckpt(
+                state, rank=lora["r"], alpha=lora["lora_alpha"]
+            ),
+            "adapter": peft.get_adapter_state_dict(state),
+            "adapter_config": lora,
+        },
+        epoch=cfg.epochs - 1,
+    )
+    print(
+        f"Saved the merged model (Hugging Face format) to {folder} and the adapter "
+        f"(PEFT format) to {folder / 'adapter'}"
+    )
     return history
 
 # %% ../../nbs/81_lora_finetune_single_device.ipynb #f098446d
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
-    "Entry point: `tunelit run lora_finetune_single_device --config tiny/lora [key=value ...]`."
+    """Entry point: `tunelit run lora_finetune_single_device --config tiny/lora
+    [key=value ...]`.
+    """
     history = train(cfg)
     if history:
-        print(f"Trained {len(history)} steps: loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f}.")
+        print(
+            f"Trained {len(history)} steps: loss {history[0]['loss']:.4f} -> "
+            f"{history[-1]['loss']:.4f}."
+        )
 
 # %% ../../nbs/81_lora_finetune_single_device.ipynb #3e84e7ea
 #| eval: false

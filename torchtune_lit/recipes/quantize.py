@@ -25,7 +25,12 @@ import torchtune_lit.recipes.eval_accuracy as eval_accuracy
 import torchtune_lit.training as training
 
 # %% ../../nbs/86_quantize.ipynb #131a8232
-def perplexity(model: torch.nn.Module, loader: DataLoader, device: torch.device, max_batches: Any = None) -> float:
+def perplexity(
+    model: torch.nn.Module,
+    loader: DataLoader,
+    device: torch.device,
+    max_batches: Any = None,
+) -> float:
     "exp(mean cross-entropy per trained token) of `model` over `loader`."
     return math.exp(training.validation_loss(model, loader, device, max_batches))
 
@@ -33,13 +38,20 @@ def perplexity(model: torch.nn.Module, loader: DataLoader, device: torch.device,
 def quantize_model(model: torch.nn.Module, quantizer: Any) -> torch.nn.Module:
     "Apply a torchao post-training quantization config to `model` in place; returns it."
     from torchao.quantization import quantize_
+
     quantize_(model, quantizer)
     return model
 
 
-def save_quantized(model: torch.nn.Module, checkpoint_dir: Union[str, Path], output_dir: Union[str, Path],
-                   name: str) -> Path:
-    "Write `model.state_dict()` to output_dir/model-{name}.pt (atomically) with the checkpoint's config.json beside it."
+def save_quantized(
+    model: torch.nn.Module,
+    checkpoint_dir: Union[str, Path],
+    output_dir: Union[str, Path],
+    name: str,
+) -> Path:
+    """Write `model.state_dict()` to output_dir/model-{name}.pt (atomically) with the
+    checkpoint's config.json beside it.
+    """
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     path = output_dir / f"model-{name}.pt"
@@ -51,7 +63,9 @@ def save_quantized(model: torch.nn.Module, checkpoint_dir: Union[str, Path], out
 
 
 def load_quantized(path: Union[str, Path], quantizer: Any) -> torch.nn.Module:
-    "A model built from the config.json beside `path`, quantized with `quantizer`, holding the saved weights."
+    """A model built from the config.json beside `path`, quantized with `quantizer`,
+    holding the saved weights.
+    """
     path = Path(path)
     model = quantize_model(models.build_from_hf_config(path.parent), quantizer)
     state = torch.load(path, map_location="cpu", weights_only=True)
@@ -65,40 +79,60 @@ def file_megabytes(path: Union[str, Path]) -> float:
 
 # %% ../../nbs/86_quantize.ipynb #c632f9bc
 def quantize(cfg: DictConfig) -> dict:
-    "Quantize, save, reload; returns perplexities and file sizes (also written to output_dir/quantize.json)."
+    """Quantize, save, reload; returns perplexities and file sizes (also written to
+    output_dir/quantize.json).
+    """
     device = training.get_device(cfg.device)
     training.set_seed(cfg.seed)
     checkpointer = config.instantiate(cfg.checkpointer)
     model = eval_accuracy.load_model_for_eval(checkpointer, device, torch.float32)
     tokenizer = config.instantiate(cfg.tokenizer)
-    loader = DataLoader(config.instantiate(cfg.eval_dataset, tokenizer), batch_size=cfg.batch_size, shuffle=False,
-                        collate_fn=data.padded_collate_sft)
+    loader = DataLoader(
+        config.instantiate(cfg.eval_dataset, tokenizer),
+        batch_size=cfg.batch_size,
+        shuffle=False,
+        collate_fn=data.padded_collate_sft,
+    )
     max_batches = cfg.get("max_eval_batches")
     before = perplexity(model, loader, device, max_batches)
     quantizer = config.instantiate(cfg.quantizer)
-    name = cfg.get("quantizer_name") or type(quantizer).__name__.replace("Config", "").lower()
+    name = (
+        cfg.get("quantizer_name")
+        or type(quantizer).__name__.replace("Config", "").lower()
+    )
     quantize_model(model, quantizer)
     in_memory = perplexity(model, loader, device, max_batches)
     path = save_quantized(model, checkpointer.checkpoint_dir, cfg.output_dir, name)
     reloaded = load_quantized(path, config.instantiate(cfg.quantizer)).to(device)
     after = perplexity(reloaded, loader, device, max_batches)
     original_mb = sum(file_megabytes(p) for p in checkpointer.checkpoint_files)
-    result = {"checkpoint_dir": str(checkpointer.checkpoint_dir), "quantized_file": str(path),
-              "perplexity_original": before, "perplexity_quantized_in_memory": in_memory,
-              "perplexity_quantized_reloaded": after, "original_megabytes": original_mb,
-              "quantized_megabytes": file_megabytes(path)}
+    result = {
+        "checkpoint_dir": str(checkpointer.checkpoint_dir),
+        "quantized_file": str(path),
+        "perplexity_original": before,
+        "perplexity_quantized_in_memory": in_memory,
+        "perplexity_quantized_reloaded": after,
+        "original_megabytes": original_mb,
+        "quantized_megabytes": file_megabytes(path),
+    }
     (Path(cfg.output_dir) / "quantize.json").write_text(json.dumps(result, indent=1))
     return result
 
 # %% ../../nbs/86_quantize.ipynb #04968e31
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
-    "Entry point: `tunelit run quantize --config tiny/quantize [checkpointer.checkpoint_dir=...]`."
+    """Entry point: `tunelit run quantize --config tiny/quantize
+    [checkpointer.checkpoint_dir=...]`.
+    """
     r = quantize(cfg)
-    print(f"Held-out perplexity: original {r['perplexity_original']:.3f}, quantized (reloaded from "
-          f"{r['quantized_file']}) {r['perplexity_quantized_reloaded']:.3f} "
-          f"({r['perplexity_quantized_reloaded'] / r['perplexity_original'] - 1:+.2%}); "
-          f"weights {r['original_megabytes']:.1f} MB -> {r['quantized_megabytes']:.1f} MB.")
+    print(
+        f"Held-out perplexity: original {r['perplexity_original']:.3f}, quantized "
+        f"(reloaded from {r['quantized_file']}) "
+        f"{r['perplexity_quantized_reloaded']:.3f} "
+        f"({r['perplexity_quantized_reloaded'] / r['perplexity_original'] - 1:+.2%}); "
+        f"weights {r['original_megabytes']:.1f} MB -> "
+        f"{r['quantized_megabytes']:.1f} MB."
+    )
 
 # %% ../../nbs/86_quantize.ipynb #a0bffb20
 #| eval: false

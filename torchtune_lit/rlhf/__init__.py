@@ -15,19 +15,30 @@ from torch import nn
 CROSS_ENTROPY_IGNORE_IDX = -100
 
 # %% ../../nbs/62_rlhf.ipynb #454af38b
-def get_batch_log_probs(logits: torch.Tensor, labels: torch.Tensor, label_pad_token_id: int = CROSS_ENTROPY_IGNORE_IDX,
-                        return_average_logprobs: bool = False) -> torch.Tensor:
-    """Sum (or mean) over trained tokens of log p(label), one value per sequence: logits [b, s, vocab], labels [b, s].
+def get_batch_log_probs(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    label_pad_token_id: int = CROSS_ENTROPY_IGNORE_IDX,
+    return_average_logprobs: bool = False,
+) -> torch.Tensor:
+    """Sum (or mean) over trained tokens of log p(label), one value per sequence: logits
+    [b, s, vocab], labels [b, s].
 
-    Labels are *unshifted* (label t is token t); position t's logits score label t+1. Computed in fp32."""
+    Labels are *unshifted* (label t is token t); position t's logits score label t+1.
+    Computed in fp32.
+    """
     if logits.shape[:-1] != labels.shape:
-        raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} must agree on batch and "
-                         "sequence dimensions.")
+        raise ValueError(
+            f"logits {tuple(logits.shape)} and labels "
+            f"{tuple(labels.shape)} must agree on batch and sequence dimensions."
+        )
     labels = labels[:, 1:].clone()
     logits = logits[:, :-1, :]
     mask = labels != label_pad_token_id
     labels[~mask] = 0
-    per_token = torch.gather(logits.float().log_softmax(-1), dim=2, index=labels.unsqueeze(2)).squeeze(2)
+    per_token = torch.gather(
+        logits.float().log_softmax(-1), dim=2, index=labels.unsqueeze(2)
+    ).squeeze(2)
     total = (per_token * mask).sum(-1)
     if return_average_logprobs:
         return total / mask.sum(-1).clamp(min=1)
@@ -36,23 +47,38 @@ def get_batch_log_probs(logits: torch.Tensor, labels: torch.Tensor, label_pad_to
 # %% ../../nbs/62_rlhf.ipynb #226f638a
 @dataclass
 class ChosenRejectedOutputs:
-    "Per-sequence log-probs and the logits of the chosen and the rejected halves of a preference batch."
+    """Per-sequence log-probs and the logits of the chosen and the rejected halves of a
+    preference batch.
+    """
+
     chosen_logps: torch.Tensor
     rejected_logps: torch.Tensor
     chosen_logits: torch.Tensor
     rejected_logits: torch.Tensor
 
 
-def concatenated_forward(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
-                         average_logprobs: bool = False) -> ChosenRejectedOutputs:
-    """One forward pass over a preference batch `(input_ids, labels)` of 2B rows, chosen rows first (as
-    `padded_collate_dpo` builds it); returns the chosen and rejected sequence log-probs and logits."""
+def concatenated_forward(
+    model: nn.Module,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    average_logprobs: bool = False,
+) -> ChosenRejectedOutputs:
+    """One forward pass over a preference batch `(input_ids, labels)` of 2B rows, chosen
+    rows first (as `padded_collate_dpo` builds it); returns the chosen and rejected
+    sequence log-probs and logits.
+    """
     input_ids, labels = batch
     if input_ids.shape[0] % 2:
-        raise ValueError(f"a preference batch has an even number of rows (chosen then rejected), got {input_ids.shape[0]}.")
+        raise ValueError(
+            "a preference batch has an even number of rows (chosen "
+            f"then rejected), got {input_ids.shape[0]}."
+        )
     logits = model(input_ids)
     if isinstance(logits, list):
         logits = torch.cat(logits, dim=1)
-    logps = get_batch_log_probs(logits, labels, return_average_logprobs=average_logprobs)
+    logps = get_batch_log_probs(
+        logits, labels, return_average_logprobs=average_logprobs
+    )
     half = input_ids.shape[0] // 2
-    return ChosenRejectedOutputs(logps[:half], logps[half:], logits[:half], logits[half:])
+    return ChosenRejectedOutputs(
+        logps[:half], logps[half:], logits[:half], logits[half:]
+    )

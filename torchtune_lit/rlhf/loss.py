@@ -12,56 +12,97 @@ from torch import nn
 
 # %% ../../nbs/63_dpo_losses.ipynb #4310aa10
 class DPOLoss(nn.Module):
-    """DPO (Rafailov et al. 2023): -log sigmoid(beta * margin), with optional label smoothing (conservative DPO).
+    """DPO (Rafailov et al. 2023): -log sigmoid(beta * margin), with optional label
+    smoothing (conservative DPO).
 
-    forward(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps) ->
-    (losses, chosen_rewards, rejected_rewards), one value per pair."""
+    forward(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps,
+    reference_rejected_logps) -> (losses, chosen_rewards, rejected_rewards), one value
+    per pair.
+    """
 
     def __init__(self, beta: float = 0.1, label_smoothing: float = 0.0) -> None:
         super().__init__()
         if not 0.0 <= label_smoothing < 0.5:
-            raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing}.")
+            raise ValueError(
+                f"label_smoothing must be in [0, 0.5), got {label_smoothing}."
+            )
         self.beta, self.label_smoothing = beta, label_smoothing
 
-    def forward(self, policy_chosen_logps: torch.Tensor, policy_rejected_logps: torch.Tensor,
-                reference_chosen_logps: torch.Tensor, reference_rejected_logps: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        margin = (policy_chosen_logps - policy_rejected_logps) - (reference_chosen_logps - reference_rejected_logps)
-        losses = (-F.logsigmoid(self.beta * margin) * (1 - self.label_smoothing)
-                  - F.logsigmoid(-self.beta * margin) * self.label_smoothing)
-        chosen_rewards = self.beta * (policy_chosen_logps - reference_chosen_logps).detach()
-        rejected_rewards = self.beta * (policy_rejected_logps - reference_rejected_logps).detach()
+    def forward(
+        self,
+        policy_chosen_logps: torch.Tensor,
+        policy_rejected_logps: torch.Tensor,
+        reference_chosen_logps: torch.Tensor,
+        reference_rejected_logps: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        margin = (policy_chosen_logps - policy_rejected_logps) - (
+            reference_chosen_logps - reference_rejected_logps
+        )
+        losses = (
+            -F.logsigmoid(self.beta * margin) * (1 - self.label_smoothing)
+            - F.logsigmoid(-self.beta * margin) * self.label_smoothing
+        )
+        chosen_rewards = (
+            self.beta * (policy_chosen_logps - reference_chosen_logps).detach()
+        )
+        rejected_rewards = (
+            self.beta * (policy_rejected_logps - reference_rejected_logps).detach()
+        )
         return losses, chosen_rewards, rejected_rewards
 
 
 class IPOLoss(nn.Module):
-    "IPO (Azar et al. 2023): (margin - 1/(2 tau))^2; same inputs and outputs as `DPOLoss`, rewards scaled by tau."
+    """IPO (Azar et al. 2023): (margin - 1/(2 tau))^2; same inputs and outputs as
+    `DPOLoss`, rewards scaled by tau.
+    """
 
     def __init__(self, tau: float = 0.1) -> None:
         super().__init__()
         self.tau = tau
 
-    def forward(self, policy_chosen_logps: torch.Tensor, policy_rejected_logps: torch.Tensor,
-                reference_chosen_logps: torch.Tensor, reference_rejected_logps: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        margin = (policy_chosen_logps - policy_rejected_logps) - (reference_chosen_logps - reference_rejected_logps)
+    def forward(
+        self,
+        policy_chosen_logps: torch.Tensor,
+        policy_rejected_logps: torch.Tensor,
+        reference_chosen_logps: torch.Tensor,
+        reference_rejected_logps: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        margin = (policy_chosen_logps - policy_rejected_logps) - (
+            reference_chosen_logps - reference_rejected_logps
+        )
         losses = (margin - 1 / (2 * self.tau)) ** 2
-        chosen_rewards = self.tau * (policy_chosen_logps - reference_chosen_logps).detach()
-        rejected_rewards = self.tau * (policy_rejected_logps - reference_rejected_logps).detach()
+        chosen_rewards = (
+            self.tau * (policy_chosen_logps - reference_chosen_logps).detach()
+        )
+        rejected_rewards = (
+            self.tau * (policy_rejected_logps - reference_rejected_logps).detach()
+        )
         return losses, chosen_rewards, rejected_rewards
 
 
 class SimPOLoss(nn.Module):
-    """SimPO (Meng et al. 2024), reference-free: -log sigmoid(beta * (chosen - rejected) - gamma) on length-normalised
-    policy log-probs (`get_batch_log_probs(..., return_average_logprobs=True)`). Returns (losses, chosen_rewards,
-    rejected_rewards) with rewards beta * log-prob."""
+    """SimPO (Meng et al. 2024), reference-free: -log sigmoid(beta * (chosen - rejected)
+    - gamma) on length-normalised policy log-probs (`get_batch_log_probs(...,
+    return_average_logprobs=True)`). Returns (losses, chosen_rewards, rejected_rewards)
+    with rewards beta * log-prob.
+    """
 
-    def __init__(self, beta: float = 2.0, gamma: float = 0.5, label_smoothing: float = 0.0) -> None:
+    def __init__(
+        self, beta: float = 2.0, gamma: float = 0.5, label_smoothing: float = 0.0
+    ) -> None:
         super().__init__()
         self.beta, self.gamma, self.label_smoothing = beta, gamma, label_smoothing
 
-    def forward(self, policy_chosen_logps: torch.Tensor, policy_rejected_logps: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(
+        self, policy_chosen_logps: torch.Tensor, policy_rejected_logps: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         logits = self.beta * (policy_chosen_logps - policy_rejected_logps) - self.gamma
-        losses = -F.logsigmoid(logits) * (1 - self.label_smoothing) - F.logsigmoid(-logits) * self.label_smoothing
-        return losses, self.beta * policy_chosen_logps.detach(), self.beta * policy_rejected_logps.detach()
+        losses = (
+            -F.logsigmoid(logits) * (1 - self.label_smoothing)
+            - F.logsigmoid(-logits) * self.label_smoothing
+        )
+        return (
+            losses,
+            self.beta * policy_chosen_logps.detach(),
+            self.beta * policy_rejected_logps.detach(),
+        )

@@ -8,12 +8,38 @@ __all__ = ['BaseTokenizer', 'HuggingFaceBaseTokenizer', 'SentencePieceBaseTokeni
            'llama3_tokenizer', 'mistral_tokenizer', 'qwen2_5_tokenizer']
 
 # %% ../../nbs/47_tokenizers_map.ipynb #756470f5
-from ._base import (BaseTokenizer, HuggingFaceBaseTokenizer, SentencePieceBaseTokenizer,
-                                            TikTokenBaseTokenizer)
-from ._chat import (ChatMLFormat, GemmaFormat, Llama3Format, MistralFormat, ModelTokenizer,
-                                            Special, gemma_tokenizer, llama3_tokenizer, mistral_tokenizer,
-                                            qwen2_5_tokenizer)
+from torchtune_lit.tokenizers._base import (
+    BaseTokenizer,
+    HuggingFaceBaseTokenizer,
+    SentencePieceBaseTokenizer,
+    TikTokenBaseTokenizer,
+)
+from torchtune_lit.tokenizers._chat import (
+    ChatMLFormat,
+    GemmaFormat,
+    Llama3Format,
+    MistralFormat,
+    ModelTokenizer,
+    Special,
+    gemma_tokenizer,
+    llama3_tokenizer,
+    mistral_tokenizer,
+    qwen2_5_tokenizer,
+)
 
-_all_ = ["BaseTokenizer", "HuggingFaceBaseTokenizer", "SentencePieceBaseTokenizer", "TikTokenBaseTokenizer",
-         "ChatMLFormat", "GemmaFormat", "Llama3Format", "MistralFormat", "ModelTokenizer", "Special",
-         "gemma_tokenizer", "llama3_tokenizer", "mistral_tokenizer", "qwen2_5_tokenizer"]
+_all_ = [
+    "BaseTokenizer",
+    "HuggingFaceBaseTokenizer",
+    "SentencePieceBaseTokenizer",
+    "TikTokenBaseTokenizer",
+    "ChatMLFormat",
+    "GemmaFormat",
+    "Llama3Format",
+    "MistralFormat",
+    "ModelTokenizer",
+    "Special",
+    "gemma_tokenizer",
+    "llama3_tokenizer",
+    "mistral_tokenizer",
+    "qwen2_5_tokenizer",
+]

@@ -13,7 +13,10 @@ from typing import Optional, Protocol, Union
 # %% ../../nbs/40_base_tokenizers.ipynb #d94b8b4e
 class BaseTokenizer(Protocol):
     "Text <-> ids without chat formatting."
-    def encode(self, text: str, add_bos: bool = True, add_eos: bool = True) -> list[int]: ...
+
+    def encode(
+        self, text: str, add_bos: bool = True, add_eos: bool = True
+    ) -> list[int]: ...
     def decode(self, token_ids: list[int]) -> str: ...
     def token_to_id(self, token: str) -> Optional[int]: ...
 
@@ -21,54 +24,105 @@ class BaseTokenizer(Protocol):
 def _require_file(path: Union[str, Path], what: str) -> Path:
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"{what} {path} does not exist. Download the model's tokenizer files "
-                                "(tunelit download ...) or fix the config's tokenizer.path.")
+        raise FileNotFoundError(
+            f"{what} {path} does not exist. Download the model's "
+            "tokenizer files (tunelit download ...) or fix the config's "
+            "tokenizer.path."
+        )
     return path
 
 # %% ../../nbs/40_base_tokenizers.ipynb #5a8b71ba
 class SentencePieceBaseTokenizer:
-    "A SentencePiece `tokenizer.model`; `bos_id`/`eos_id`/`pad_id` come from the model file."
+    """A SentencePiece `tokenizer.model`; `bos_id`/`eos_id`/`pad_id` come from the model
+    file.
+    """
 
     def __init__(self, path: Union[str, Path]) -> None:
         import sentencepiece as spm
-        self.spm_model = spm.SentencePieceProcessor(model_file=str(_require_file(path, "SentencePiece model")))
+
+        self.spm_model = spm.SentencePieceProcessor(
+            model_file=str(_require_file(path, "SentencePiece model"))
+        )
         self.vocab_size = self.spm_model.vocab_size()
-        self.bos_id, self.eos_id, self.pad_id = self.spm_model.bos_id(), self.spm_model.eos_id(), self.spm_model.pad_id()
-        # SentencePiece marks a word start with '▁'; encoding "\n" + text and dropping the newline's pieces gives
+        self.bos_id, self.eos_id, self.pad_id = (
+            self.spm_model.bos_id(),
+            self.spm_model.eos_id(),
+            self.spm_model.pad_id(),
+        )
+        # SentencePiece marks a word start with '▁'; encoding "\n" + text and dropping
+        # the newline's pieces gives
         # the pieces of `text` as they appear mid-sequence (no spurious leading '▁').
         self._newline_prefix = self.spm_model.encode("\n")
 
-    def encode(self, text: str, add_bos: bool = True, add_eos: bool = True, trim_leading_whitespace: bool = False) -> list[int]:
+    def encode(
+        self,
+        text: str,
+        add_bos: bool = True,
+        add_eos: bool = True,
+        trim_leading_whitespace: bool = False,
+    ) -> list[int]:
         if trim_leading_whitespace:
-            ids = self.spm_model.encode("\n" + text)[len(self._newline_prefix):]
+            ids = self.spm_model.encode("\n" + text)[len(self._newline_prefix) :]
         else:
             ids = self.spm_model.encode(text)
-        return ([self.bos_id] if add_bos else []) + ids + ([self.eos_id] if add_eos else [])
+        return (
+            ([self.bos_id] if add_bos else [])
+            + ids
+            + ([self.eos_id] if add_eos else [])
+        )
 
     def decode(self, token_ids: list[int]) -> str:
         return self.spm_model.decode(list(token_ids))
 
     def token_to_id(self, token: str) -> Optional[int]:
-        "The id of a piece (e.g. a control token), or None when the model has no such piece."
+        """The id of a piece (e.g. a control token), or None when the model has no such
+        piece.
+        """
         token_id = self.spm_model.piece_to_id(token)
-        return None if token_id == self.spm_model.unk_id() and token != self.spm_model.id_to_piece(token_id) else token_id
+        return (
+            None
+            if token_id == self.spm_model.unk_id()
+            and token != self.spm_model.id_to_piece(token_id)
+            else token_id
+        )
 
 # %% ../../nbs/40_base_tokenizers.ipynb #804634c3
 class TikTokenBaseTokenizer:
-    "A tiktoken BPE file (base64 token, rank per line) with a pre-split `pattern` and `special_tokens` {text: id}."
+    """A tiktoken BPE file (base64 token, rank per line) with a pre-split `pattern` and
+    `special_tokens` {text: id}.
+    """
 
-    def __init__(self, path: Union[str, Path], name: str, pattern: str, bos_id: int, eos_id: int,
-                 special_tokens: dict[str, int]) -> None:
+    def __init__(
+        self,
+        path: Union[str, Path],
+        name: str,
+        pattern: str,
+        bos_id: int,
+        eos_id: int,
+        special_tokens: dict[str, int],
+    ) -> None:
         import tiktoken
         from tiktoken.load import load_tiktoken_bpe
+
         ranks = load_tiktoken_bpe(str(_require_file(path, "tiktoken BPE file")))
-        self.tt_model = tiktoken.Encoding(name=name, pat_str=pattern, mergeable_ranks=ranks, special_tokens=special_tokens)
+        self.tt_model = tiktoken.Encoding(
+            name=name,
+            pat_str=pattern,
+            mergeable_ranks=ranks,
+            special_tokens=special_tokens,
+        )
         self.bos_id, self.eos_id = bos_id, eos_id
         self.vocab_size = self.tt_model.n_vocab
 
-    def encode(self, text: str, add_bos: bool = True, add_eos: bool = True) -> list[int]:
+    def encode(
+        self, text: str, add_bos: bool = True, add_eos: bool = True
+    ) -> list[int]:
         ids = self.tt_model.encode(text, allowed_special=set(), disallowed_special=())
-        return ([self.bos_id] if add_bos else []) + ids + ([self.eos_id] if add_eos else [])
+        return (
+            ([self.bos_id] if add_bos else [])
+            + ids
+            + ([self.eos_id] if add_eos else [])
+        )
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tt_model.decode(list(token_ids))
@@ -79,19 +133,38 @@ class TikTokenBaseTokenizer:
 
 # %% ../../nbs/40_base_tokenizers.ipynb #fb0cf473
 class HuggingFaceBaseTokenizer:
-    "A Hugging Face `tokenizer.json`; BOS/EOS from tokenizer_config.json or generation_config.json beside it (or given)."
+    """A Hugging Face `tokenizer.json`; BOS/EOS from tokenizer_config.json or
+    generation_config.json beside it (or given).
+    """
 
-    def __init__(self, tokenizer_json_path: Union[str, Path], *, tokenizer_config_json_path: Optional[Union[str, Path]] = None,
-                 generation_config_path: Optional[Union[str, Path]] = None, bos_token: Optional[str] = None,
-                 eos_token: Optional[str] = None) -> None:
+    def __init__(
+        self,
+        tokenizer_json_path: Union[str, Path],
+        *,
+        tokenizer_config_json_path: Optional[Union[str, Path]] = None,
+        generation_config_path: Optional[Union[str, Path]] = None,
+        bos_token: Optional[str] = None,
+        eos_token: Optional[str] = None,
+    ) -> None:
         from tokenizers import Tokenizer
+
         path = _require_file(tokenizer_json_path, "tokenizer.json")
         self.tokenizer = Tokenizer.from_file(str(path))
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
-        config = self._read_json(tokenizer_config_json_path or path.with_name("tokenizer_config.json"))
-        generation = self._read_json(generation_config_path or path.with_name("generation_config.json"))
-        self.bos_id = self._special_id(bos_token or self._token_text(config.get("bos_token")), generation.get("bos_token_id"))
-        self.eos_id = self._special_id(eos_token or self._token_text(config.get("eos_token")), generation.get("eos_token_id"))
+        config = self._read_json(
+            tokenizer_config_json_path or path.with_name("tokenizer_config.json")
+        )
+        generation = self._read_json(
+            generation_config_path or path.with_name("generation_config.json")
+        )
+        self.bos_id = self._special_id(
+            bos_token or self._token_text(config.get("bos_token")),
+            generation.get("bos_token_id"),
+        )
+        self.eos_id = self._special_id(
+            eos_token or self._token_text(config.get("eos_token")),
+            generation.get("eos_token_id"),
+        )
 
     @staticmethod
     def _read_json(path: Union[str, Path]) -> dict:
@@ -106,20 +179,36 @@ class HuggingFaceBaseTokenizer:
         if text is not None:
             token_id = self.tokenizer.token_to_id(text)
             if token_id is None:
-                raise ValueError(f"special token {text!r} from tokenizer_config.json is not in tokenizer.json's vocabulary.")
+                raise ValueError(
+                    f"special token {text!r} from tokenizer_config.json "
+                    "is not in tokenizer.json's vocabulary."
+                )
             return token_id
         return fallback[0] if isinstance(fallback, list) else fallback
 
-    def encode(self, text: str, add_bos: bool = True, add_eos: bool = True) -> list[int]:
+    def encode(
+        self, text: str, add_bos: bool = True, add_eos: bool = True
+    ) -> list[int]:
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids
         if add_bos and self.bos_id is None:
-            raise ValueError("add_bos=True but this tokenizer has no BOS token (tokenizer_config.json has no bos_token).")
+            raise ValueError(
+                "add_bos=True but this tokenizer has no BOS token "
+                "(tokenizer_config.json has no bos_token)."
+            )
         if add_eos and self.eos_id is None:
-            raise ValueError("add_eos=True but this tokenizer has no EOS token; pass eos_token.")
-        return ([self.bos_id] if add_bos else []) + ids + ([self.eos_id] if add_eos else [])
+            raise ValueError(
+                "add_eos=True but this tokenizer has no EOS token; pass eos_token."
+            )
+        return (
+            ([self.bos_id] if add_bos else [])
+            + ids
+            + ([self.eos_id] if add_eos else [])
+        )
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+        return self.tokenizer.decode(
+            list(token_ids), skip_special_tokens=skip_special_tokens
+        )
 
     def token_to_id(self, token: str) -> Optional[int]:
         "The id of a token (special tokens included), or None."

@@ -18,6 +18,7 @@ from ..data._messages import Message, validate_messages
 @dataclass(frozen=True)
 class Special:
     "A special (control) token, by its text; added by id, never through text encoding."
+
     token: str
 
 
@@ -26,21 +27,38 @@ Segment = Union[str, Special]
 
 class Llama3Format:
     "Llama 3 / 3.1 / 3.2 instruct format."
+
     bos, eos, end_of_turn = "<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"
     default_system_prompt = None
 
     def message(self, m: Message) -> list[Segment]:
         end = [Special(self.end_of_turn)] if m.eot else []
-        return [Special("<|start_header_id|>"), m.role, Special("<|end_header_id|>"), "\n\n" + m.content.strip(), *end]
+        return [
+            Special("<|start_header_id|>"),
+            m.role,
+            Special("<|end_header_id|>"),
+            "\n\n" + m.content.strip(),
+            *end,
+        ]
 
     def generation_prompt(self) -> list[Segment]:
-        return [Special("<|start_header_id|>"), "assistant", Special("<|end_header_id|>"), "\n\n"]
+        return [
+            Special("<|start_header_id|>"),
+            "assistant",
+            Special("<|end_header_id|>"),
+            "\n\n",
+        ]
 
 
 class ChatMLFormat:
-    "ChatML as Qwen 2.5 uses it, with Qwen's default system prompt when the conversation has none."
+    """ChatML as Qwen 2.5 uses it, with Qwen's default system prompt when the
+    conversation has none.
+    """
+
     bos, eos, end_of_turn = None, "<|endoftext|>", "<|im_end|>"
-    default_system_prompt = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+    default_system_prompt = (
+        "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+    )
 
     def message(self, m: Message) -> list[Segment]:
         end = [Special(self.end_of_turn), "\n"] if m.eot else []
@@ -52,13 +70,17 @@ class ChatMLFormat:
 
 class GemmaFormat:
     "Gemma / Gemma 2 instruct format (roles user and model; no system turn)."
+
     bos, eos, end_of_turn = "<bos>", "<eos>", "<end_of_turn>"
     default_system_prompt = None
 
     def message(self, m: Message) -> list[Segment]:
         if m.role == "system":
-            raise ValueError("Gemma's chat format has no system turn: put the instructions into the first user message "
-                             "(or drop new_system_prompt).")
+            raise ValueError(
+                "Gemma's chat format has no system turn: put the "
+                "instructions into the first user message (or drop "
+                "new_system_prompt)."
+            )
         role = "model" if m.role == "assistant" else m.role
         end = [Special(self.end_of_turn), "\n"] if m.eot else []
         return [Special("<start_of_turn>"), f"{role}\n{m.content.strip()}", *end]
@@ -68,45 +90,80 @@ class GemmaFormat:
 
 
 class MistralFormat:
-    "Mistral instruct format as in Mistral-7B-Instruct-v0.3, whose [INST]/[/INST] are control tokens (no system turn)."
+    """Mistral instruct format as in Mistral-7B-Instruct-v0.3, whose [INST]/[/INST] are
+    control tokens (no system turn).
+    """
+
     bos, eos, end_of_turn = "<s>", "</s>", "</s>"
     default_system_prompt = None
 
     def message(self, m: Message) -> list[Segment]:
         if m.role == "system":
-            raise ValueError("Mistral's format has no system turn here: put the instructions into the first user message.")
+            raise ValueError(
+                "Mistral's format has no system turn here: put the "
+                "instructions into the first user message."
+            )
         if m.role == "user":
             return [Special("[INST]"), " " + m.content, Special("[/INST]")]
-        return [" " + m.content.strip(), Special(self.eos)] if m.eot else [" " + m.content.strip()]
+        return (
+            [" " + m.content.strip(), Special(self.eos)]
+            if m.eot
+            else [" " + m.content.strip()]
+        )
 
     def generation_prompt(self) -> list[Segment]:
         return []
 
 # %% ../../nbs/42_chat_tokenizers.ipynb #a200237e
 class ModelTokenizer:
-    """A base tokenizer plus a chat format: `tokenize_messages(messages) -> (tokens, mask)`, mask True where not trained.
+    """A base tokenizer plus a chat format: `tokenize_messages(messages) -> (tokens,
+    mask)`, mask True where not trained.
 
-    `max_seq_len` truncates, keeping the end-of-turn token as the last token. Calling it on a sample
-    `{"messages": [...]}` adds `tokens` and `mask`."""
+    `max_seq_len` truncates, keeping the end-of-turn token as the last token. Calling it
+    on a sample `{"messages": [...]}` adds `tokens` and `mask`.
+    """
 
-    def __init__(self, base_tokenizer: Any, chat_format: Any, max_seq_len: Optional[int] = None) -> None:
-        self.base, self.chat_format, self.max_seq_len = base_tokenizer, chat_format, max_seq_len
-        names = {t for t in (chat_format.bos, chat_format.eos, chat_format.end_of_turn) if t}
-        names |= {s.token for m in (Message("user", "x"), Message("assistant", "x"))
-                  for s in chat_format.message(m) if isinstance(s, Special)}
-        names |= {s.token for s in chat_format.generation_prompt() if isinstance(s, Special)}
+    def __init__(
+        self, base_tokenizer: Any, chat_format: Any, max_seq_len: Optional[int] = None
+    ) -> None:
+        self.base, self.chat_format, self.max_seq_len = (
+            base_tokenizer,
+            chat_format,
+            max_seq_len,
+        )
+        names = {
+            t for t in (chat_format.bos, chat_format.eos, chat_format.end_of_turn) if t
+        }
+        names |= {
+            s.token
+            for m in (Message("user", "x"), Message("assistant", "x"))
+            for s in chat_format.message(m)
+            if isinstance(s, Special)
+        }
+        names |= {
+            s.token for s in chat_format.generation_prompt() if isinstance(s, Special)
+        }
         missing = sorted(n for n in names if base_tokenizer.token_to_id(n) is None)
         if missing:
-            raise ValueError(f"{type(chat_format).__name__} needs special tokens {missing} that this tokenizer does not "
-                             "have: the tokenizer file and the chat format belong to different model families.")
+            raise ValueError(
+                f"{type(chat_format).__name__} needs special tokens "
+                f"{missing} that this tokenizer does not have: the tokenizer file "
+                "and the chat format belong to different model families."
+            )
         self.special_tokens = {n: base_tokenizer.token_to_id(n) for n in names}
-        self.bos_id = self.special_tokens.get(chat_format.bos) if chat_format.bos else None
+        self.bos_id = (
+            self.special_tokens.get(chat_format.bos) if chat_format.bos else None
+        )
         self.eos_id = self.special_tokens[chat_format.eos]
         self.eot_id = self.special_tokens[chat_format.end_of_turn]
         self.vocab_size = base_tokenizer.vocab_size
 
-    def encode(self, text: str, add_bos: bool = True, add_eos: bool = True) -> list[int]:
-        return self.base.encode(text, add_bos=add_bos and self.bos_id is not None, add_eos=add_eos)
+    def encode(
+        self, text: str, add_bos: bool = True, add_eos: bool = True
+    ) -> list[int]:
+        return self.base.encode(
+            text, add_bos=add_bos and self.bos_id is not None, add_eos=add_eos
+        )
 
     def decode(self, token_ids: list[int], **kwargs) -> str:
         return self.base.decode(token_ids, **kwargs)
@@ -120,13 +177,21 @@ class ModelTokenizer:
                 ids += self.base.encode(segment, add_bos=False, add_eos=False)
         return ids
 
-    def tokenize_messages(self, messages: list[Message], add_end_tokens: bool = True,
-                          add_generation_prompt: bool = False) -> tuple[list[int], list[bool]]:
-        "(tokens, mask) for a conversation; mask[i] is True where token i is not trained on."
+    def tokenize_messages(
+        self,
+        messages: list[Message],
+        add_end_tokens: bool = True,
+        add_generation_prompt: bool = False,
+    ) -> tuple[list[int], list[bool]]:
+        """(tokens, mask) for a conversation; mask[i] is True where token i is not
+        trained on.
+        """
         validate_messages(messages)
         fmt = self.chat_format
         if fmt.default_system_prompt and messages[0].role != "system":
-            messages = [Message("system", fmt.default_system_prompt, masked=True)] + list(messages)
+            messages = [
+                Message("system", fmt.default_system_prompt, masked=True)
+            ] + list(messages)
         tokens = [self.bos_id] if self.bos_id is not None else []
         mask = [messages[0].masked] * len(tokens)
         for message in messages:
@@ -142,11 +207,14 @@ class ModelTokenizer:
             mask.append(mask[-1])
         return self._truncate(tokens, mask)
 
-    def _truncate(self, tokens: list[int], mask: list[bool]) -> tuple[list[int], list[bool]]:
+    def _truncate(
+        self, tokens: list[int], mask: list[bool]
+    ) -> tuple[list[int], list[bool]]:
         if self.max_seq_len is None or len(tokens) <= self.max_seq_len:
             return tokens, mask
         tokens, mask = tokens[: self.max_seq_len], mask[: self.max_seq_len]
-        tokens[-1] = self.eot_id     # keep the end of the turn, so the model still learns where answers stop
+        # keep the end of the turn, so the model still learns where answers stop
+        tokens[-1] = self.eot_id
         return tokens, mask
 
     def __call__(self, sample: dict[str, Any]) -> dict[str, Any]:
@@ -154,17 +222,36 @@ class ModelTokenizer:
         return {**sample, "tokens": tokens, "mask": mask}
 
 # %% ../../nbs/42_chat_tokenizers.ipynb #3a6da6f9
-LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-LLAMA3_SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
-                         "<|reserved_special_token_1|>", "<|finetune_right_pad_id|>", "<|step_id|>",
-                         "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>"]
-LLAMA3_SPECIAL_TOKENS += [f"<|reserved_special_token_{i}|>" for i in range(2, 256 - len(LLAMA3_SPECIAL_TOKENS) + 2)]
+LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+LLAMA3_SPECIAL_TOKENS = [
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|reserved_special_token_0|>",
+    "<|reserved_special_token_1|>",
+    "<|finetune_right_pad_id|>",
+    "<|step_id|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eom_id|>",
+    "<|eot_id|>",
+    "<|python_tag|>",
+]
+LLAMA3_SPECIAL_TOKENS += [
+    f"<|reserved_special_token_{i}|>"
+    for i in range(2, 256 - len(LLAMA3_SPECIAL_TOKENS) + 2)
+]
 
 
 def _base_tokenizer(path: Union[str, Path], tiktoken_kwargs: Optional[dict] = None):
-    from torchtune_lit.tokenizers._base import (HuggingFaceBaseTokenizer, SentencePieceBaseTokenizer,
-                                                TikTokenBaseTokenizer)
+    from torchtune_lit.tokenizers._base import (
+        HuggingFaceBaseTokenizer,
+        SentencePieceBaseTokenizer,
+        TikTokenBaseTokenizer,
+    )
+
     path = Path(path)
     if path.suffix == ".json":
         return HuggingFaceBaseTokenizer(path)
@@ -173,28 +260,46 @@ def _base_tokenizer(path: Union[str, Path], tiktoken_kwargs: Optional[dict] = No
     return SentencePieceBaseTokenizer(path)
 
 
-def llama3_tokenizer(path: Union[str, Path], max_seq_len: Optional[int] = None) -> ModelTokenizer:
+def llama3_tokenizer(
+    path: Union[str, Path], max_seq_len: Optional[int] = None
+) -> ModelTokenizer:
     "Llama 3.x: `tokenizer.json`, or Meta's tiktoken `original/tokenizer.model`."
     tiktoken_kwargs = None
     if Path(path).suffix != ".json":
         from tiktoken.load import load_tiktoken_bpe
+
         n = len(load_tiktoken_bpe(str(path)))
         specials = {tok: n + i for i, tok in enumerate(LLAMA3_SPECIAL_TOKENS)}
-        tiktoken_kwargs = dict(name="llama3", pattern=LLAMA3_PATTERN, bos_id=specials["<|begin_of_text|>"],
-                               eos_id=specials["<|end_of_text|>"], special_tokens=specials)
-    return ModelTokenizer(_base_tokenizer(path, tiktoken_kwargs), Llama3Format(), max_seq_len)
+        tiktoken_kwargs = dict(
+            name="llama3",
+            pattern=LLAMA3_PATTERN,
+            bos_id=specials["<|begin_of_text|>"],
+            eos_id=specials["<|end_of_text|>"],
+            special_tokens=specials,
+        )
+    return ModelTokenizer(
+        _base_tokenizer(path, tiktoken_kwargs), Llama3Format(), max_seq_len
+    )
 
 
-def qwen2_5_tokenizer(path: Union[str, Path], max_seq_len: Optional[int] = None) -> ModelTokenizer:
+def qwen2_5_tokenizer(
+    path: Union[str, Path], max_seq_len: Optional[int] = None
+) -> ModelTokenizer:
     "Qwen 2 / 2.5: `tokenizer.json` with ChatML."
     return ModelTokenizer(_base_tokenizer(path), ChatMLFormat(), max_seq_len)
 
 
-def gemma_tokenizer(path: Union[str, Path], max_seq_len: Optional[int] = None) -> ModelTokenizer:
+def gemma_tokenizer(
+    path: Union[str, Path], max_seq_len: Optional[int] = None
+) -> ModelTokenizer:
     "Gemma / Gemma 2: `tokenizer.json` or SentencePiece `tokenizer.model`."
     return ModelTokenizer(_base_tokenizer(path), GemmaFormat(), max_seq_len)
 
 
-def mistral_tokenizer(path: Union[str, Path], max_seq_len: Optional[int] = None) -> ModelTokenizer:
-    "Mistral instruct (v0.3 control tokens): `tokenizer.json` or SentencePiece `tokenizer.model`."
+def mistral_tokenizer(
+    path: Union[str, Path], max_seq_len: Optional[int] = None
+) -> ModelTokenizer:
+    """Mistral instruct (v0.3 control tokens): `tokenizer.json` or SentencePiece
+    `tokenizer.model`.
+    """
     return ModelTokenizer(_base_tokenizer(path), MistralFormat(), max_seq_len)

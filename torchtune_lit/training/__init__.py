@@ -14,20 +14,88 @@ __all__ = ['memory', 'OffloadActivations', 'compile_loss', 'compile_model', 'est
 
 # %% ../../nbs/79_training_map.ipynb #6f16c70e
 from . import lr_schedulers, memory, metric_logging, preflight
-from .memory import (OffloadActivations, compile_loss, compile_model, estimate_training_memory,
-                                           set_activation_checkpointing)
+from torchtune_lit.training.memory import (
+    OffloadActivations,
+    compile_loss,
+    compile_model,
+    estimate_training_memory,
+    set_activation_checkpointing,
+)
 from .metric_logging import get_memory_stats
-from ._distributed import gather_full_state_dict, init_distributed, shard_model
-from ._utils import (DTYPES, JsonlLogger, capture_rng_state, check_loss_is_finite, get_device,
-                                           get_dtype, latest_step_checkpoint, load_recipe_state, make_recipe_state,
-                                           prune_step_checkpoints, read_jsonl, restore_rng_state, restore_training_state, resume_position,
-                                           scale_grads, set_seed, setup_run, shift_labels,
-                                           summed_cross_entropy, train_step, training_schedule, truncate_log, validation_loss)
-from .checkpointing import CheckpointError, FullModelHFCheckpointer, load_model_state_dict
+from torchtune_lit.training._distributed import (
+    gather_full_state_dict,
+    init_distributed,
+    shard_model,
+)
+from torchtune_lit.training._utils import (
+    DTYPES,
+    JsonlLogger,
+    capture_rng_state,
+    check_loss_is_finite,
+    get_device,
+    get_dtype,
+    latest_step_checkpoint,
+    load_recipe_state,
+    make_recipe_state,
+    prune_step_checkpoints,
+    read_jsonl,
+    restore_rng_state,
+    restore_training_state,
+    resume_position,
+    scale_grads,
+    set_seed,
+    setup_run,
+    shift_labels,
+    summed_cross_entropy,
+    train_step,
+    training_schedule,
+    truncate_log,
+    validation_loss,
+)
+from torchtune_lit.training.checkpointing import (
+    CheckpointError,
+    FullModelHFCheckpointer,
+    load_model_state_dict,
+)
 
-_all_ = ["memory", "OffloadActivations", "compile_loss", "compile_model", "estimate_training_memory",
-         "set_activation_checkpointing", "metric_logging", "get_memory_stats", "preflight", "gather_full_state_dict", "init_distributed", "shard_model", "CheckpointError", "FullModelHFCheckpointer", "load_model_state_dict", "DTYPES", "JsonlLogger",
-         "capture_rng_state", "check_loss_is_finite", "get_device", "get_dtype", "latest_step_checkpoint",
-         "load_recipe_state", "lr_schedulers", "make_recipe_state", "prune_step_checkpoints", "read_jsonl",
-         "restore_rng_state", "restore_training_state", "resume_position", "setup_run", "scale_grads", "set_seed",
-         "shift_labels", "summed_cross_entropy", "train_step", "training_schedule", "truncate_log", "validation_loss"]
+_all_ = [
+    "memory",
+    "OffloadActivations",
+    "compile_loss",
+    "compile_model",
+    "estimate_training_memory",
+    "set_activation_checkpointing",
+    "metric_logging",
+    "get_memory_stats",
+    "preflight",
+    "gather_full_state_dict",
+    "init_distributed",
+    "shard_model",
+    "CheckpointError",
+    "FullModelHFCheckpointer",
+    "load_model_state_dict",
+    "DTYPES",
+    "JsonlLogger",
+    "capture_rng_state",
+    "check_loss_is_finite",
+    "get_device",
+    "get_dtype",
+    "latest_step_checkpoint",
+    "load_recipe_state",
+    "lr_schedulers",
+    "make_recipe_state",
+    "prune_step_checkpoints",
+    "read_jsonl",
+    "restore_rng_state",
+    "restore_training_state",
+    "resume_position",
+    "setup_run",
+    "scale_grads",
+    "set_seed",
+    "shift_labels",
+    "summed_cross_entropy",
+    "train_step",
+    "training_schedule",
+    "truncate_log",
+    "validation_loss",
+]

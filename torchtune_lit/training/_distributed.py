@@ -18,10 +18,14 @@ from torch import nn
 
 # %% ../../nbs/73_distributed.ipynb #95f5357f
 def init_distributed() -> tuple[int, int, torch.device]:
-    "Join the process group torchrun set up (NCCL on GPU, Gloo on CPU); returns (rank, world_size, device)."
+    """Join the process group torchrun set up (NCCL on GPU, Gloo on CPU); returns (rank,
+    world_size, device).
+    """
     if "RANK" not in os.environ:
-        raise RuntimeError("this recipe runs under torchrun: launch it with "
-                           "'tunelit run --nproc_per_node N <recipe> --config ...'.")
+        raise RuntimeError(
+            "this recipe runs under torchrun: launch it with "
+            "'tunelit run --nproc_per_node N <recipe> --config ...'."
+        )
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
@@ -33,12 +37,21 @@ def init_distributed() -> tuple[int, int, torch.device]:
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def shard_model(model: nn.Module, reshard_after_forward: bool = True, param_dtype: Optional[torch.dtype] = None) -> nn.Module:
-    "FSDP2: shard each transformer layer, then the root module; `param_dtype` sets a mixed-precision compute dtype."
+def shard_model(
+    model: nn.Module,
+    reshard_after_forward: bool = True,
+    param_dtype: Optional[torch.dtype] = None,
+) -> nn.Module:
+    """FSDP2: shard each transformer layer, then the root module; `param_dtype` sets a
+    mixed-precision compute dtype.
+    """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     kwargs = {"reshard_after_forward": reshard_after_forward}
     if param_dtype is not None:
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+        kwargs["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=param_dtype, reduce_dtype=torch.float32
+        )
     for layer in model.layers:
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
@@ -46,46 +59,81 @@ def shard_model(model: nn.Module, reshard_after_forward: bool = True, param_dtyp
 
 
 def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    "The full (unsharded) state dict, on CPU, on rank 0 (an empty dict on the other ranks)."
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    """The full (unsharded) state dict, on CPU, on rank 0 (an empty dict on the other
+    ranks).
+    """
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+    )
+
+    return get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
 
 
-def _check_fits(model: nn.Module, full_state_dict: dict[str, torch.Tensor]) -> Optional[str]:
-    "On rank 0: what is wrong with the checkpoint for this (meta, sharded) model, or None."
+def _check_fits(
+    model: nn.Module, full_state_dict: dict[str, torch.Tensor]
+) -> Optional[str]:
+    """On rank 0: what is wrong with the checkpoint for this (meta, sharded) model, or
+    None.
+    """
     from torchtune_lit.training.checkpointing import CheckpointError, check_state_dict
+
     try:
-        check_state_dict(model.state_dict(), full_state_dict)     # DTensor shapes are the full (global) shapes
+        # DTensor shapes are the full (global) shapes
+        check_state_dict(model.state_dict(), full_state_dict)
     except CheckpointError as error:
         return str(error)
     return None
 
 
-def load_from_full_state_dict(model: nn.Module, full_state_dict: dict[str, torch.Tensor], device: torch.device) -> None:
-    """Fill a model built on the meta device and sharded with `shard_model` from a full state dict that only rank 0
-    holds (pass {} on the other ranks): each rank receives only its own shards."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+def load_from_full_state_dict(
+    model: nn.Module, full_state_dict: dict[str, torch.Tensor], device: torch.device
+) -> None:
+    """Fill a model built on the meta device and sharded with `shard_model` from a full
+    state dict that only rank 0 holds (pass {} on the other ranks): each rank receives
+    only its own shards.
+    """
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+    )
     from torchtune_lit.training.checkpointing import CheckpointError
+
     verdict = [_check_fits(model, full_state_dict) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(verdict, src=0)
     if verdict[0] is not None:
         raise CheckpointError(verdict[0])
     model.to_empty(device=device)
-    set_model_state_dict(model, full_state_dict,
-                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True))
-    with torch.device(device):                       # buffers no checkpoint holds: recompute them on the device
+    set_model_state_dict(
+        model,
+        full_state_dict,
+        options=StateDictOptions(
+            full_state_dict=True, broadcast_from_rank0=True, strict=True
+        ),
+    )
+    # buffers no checkpoint holds: recompute them on the device
+    with torch.device(device):
         for module in model.modules():
             if hasattr(module, "rope_init"):
                 module.rope_init()
 
 
-def save_sharded_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Union[str, Path],
-                            recipe_state: dict) -> Path:
-    """Every rank writes its shards of the model and optimizer states with torch.distributed.checkpoint, plus its
-    random states; rank 0 adds `recipe_state.pt` and renames the finished temporary folder to `folder`."""
+def save_sharded_checkpoint(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    folder: Union[str, Path],
+    recipe_state: dict,
+) -> Path:
+    """Every rank writes its shards of the model and optimizer states with
+    torch.distributed.checkpoint, plus its random states; rank 0 adds `recipe_state.pt`
+    and renames the finished temporary folder to `folder`.
+    """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torchtune_lit.training._utils import capture_rng_state
+
     folder, rank = Path(folder), dist.get_rank()
     tmp = folder.with_name(f".{folder.name}.tmp")
     if rank == 0:
@@ -93,12 +141,18 @@ def save_sharded_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, 
         tmp.mkdir(parents=True)
     dist.barrier()
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(tmp / "dcp"))
+    dcp.save(
+        {"model": model_state, "optimizer": optimizer_state},
+        checkpoint_id=str(tmp / "dcp"),
+    )
     rng = capture_rng_state(recipe_state["rng_generator"])
     torch.save(rng, tmp / f"rng_rank{rank}.pt")
-    dist.barrier()                                   # every shard is on disk
+    dist.barrier()  # every shard is on disk
     if rank == 0:
-        torch.save({k: v for k, v in recipe_state.items() if k != "rng_generator"}, tmp / "recipe_state.pt")
+        torch.save(
+            {k: v for k, v in recipe_state.items() if k != "rng_generator"},
+            tmp / "recipe_state.pt",
+        )
         old = folder.with_name(folder.name + ".old")
         if folder.exists():
             shutil.rmtree(old, ignore_errors=True)
@@ -109,20 +163,34 @@ def save_sharded_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, 
     return folder
 
 
-def load_sharded_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Union[str, Path]) -> dict:
-    "Read a `save_sharded_checkpoint` folder into the sharded model and optimizer; returns the recipe state with this rank's random states."
+def load_sharded_checkpoint(
+    model: nn.Module, optimizer: torch.optim.Optimizer, folder: Union[str, Path]
+) -> dict:
+    """Read a `save_sharded_checkpoint` folder into the sharded model and optimizer;
+    returns the recipe state with this rank's random states.
+    """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
     folder = Path(folder)
     model_state, optimizer_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
     dcp.load(state, checkpoint_id=str(folder / "dcp"))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-    recipe_state = torch.load(folder / "recipe_state.pt", map_location="cpu", weights_only=True)
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optimizer"],
+    )
+    recipe_state = torch.load(
+        folder / "recipe_state.pt", map_location="cpu", weights_only=True
+    )
     rng_file = folder / f"rng_rank{dist.get_rank()}.pt"
     if not rng_file.is_file():
-        raise FileNotFoundError(f"{rng_file} is missing: the checkpoint was written by fewer processes; resume with the "
-                                "same --nproc_per_node.")
+        raise FileNotFoundError(
+            f"{rng_file} is missing: the checkpoint was written "
+            "by fewer processes; resume with the same --nproc_per_node."
+        )
     recipe_state["rng"] = torch.load(rng_file, map_location="cpu", weights_only=True)
     return recipe_state
 

@@ -28,26 +28,45 @@ def get_device(name: str = "cpu") -> torch.device:
     "The torch device `name`; a clear error when CUDA is asked for but absent."
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"device={name} was asked for, but CUDA is not available on this machine; "
-                           "set device=cpu to run on the CPU.")
+        raise RuntimeError(
+            f"device={name} was asked for, but CUDA is not available "
+            "on this machine; set device=cpu to run on the CPU."
+        )
     return device
 
 
 def get_dtype(name: str = "fp32", device: Optional[torch.device] = None) -> torch.dtype:
-    """The parameter dtype for 'fp32' or 'bf16'. bf16 on a GPU without bf16 support (before Ampere) falls back to fp32
-    with a message saying so — the run still works, at twice the weight memory."""
+    """The parameter dtype for 'fp32' or 'bf16'. bf16 on a GPU without bf16 support
+    (before Ampere) falls back to fp32 with a message saying so — the run still works,
+    at twice the weight memory.
+    """
     if name not in DTYPES:
-        raise ValueError(f"dtype={name!r} is not supported; use one of {sorted(DTYPES)}.")
-    if name == "bf16" and device is not None and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ValueError(
+            f"dtype={name!r} is not supported; use one of {sorted(DTYPES)}."
+        )
+    if (
+        name == "bf16"
+        and device is not None
+        and device.type == "cuda"
+        and not torch.cuda.is_bf16_supported()
+    ):
         import warnings
-        warnings.warn(f"dtype=bf16 was asked for but {torch.cuda.get_device_name(device)} does not support bf16: "
-                      "training in fp32 instead (twice the weight memory); set dtype=fp32 to silence this.", stacklevel=2)
+
+        warnings.warn(
+            "dtype=bf16 was asked for but "
+            f"{torch.cuda.get_device_name(device)} does not support bf16: training "
+            "in fp32 instead (twice the weight memory); set dtype=fp32 to silence "
+            "this.",
+            stacklevel=2,
+        )
         return torch.float32
     return DTYPES[name]
 
 
 def set_seed(seed: int) -> torch.Generator:
-    "Seed Python and torch; return a torch Generator seeded the same way (for the data sampler)."
+    """Seed Python and torch; return a torch Generator seeded the same way (for the data
+    sampler).
+    """
     random.seed(seed)
     torch.manual_seed(seed)
     return torch.Generator().manual_seed(seed)
@@ -63,13 +82,19 @@ def scale_grads(model: nn.Module, scale: float) -> None:
 def check_loss_is_finite(loss: float, step: int) -> None:
     "Stop with the step number and what to try when the loss is NaN or infinite."
     if not math.isfinite(loss):
-        raise RuntimeError(f"loss is {loss} at step {step}: training diverged. Lower optimizer.lr, set "
-                           "clip_grad_norm, use dtype=fp32, or check the data for empty or corrupt samples.")
+        raise RuntimeError(
+            f"loss is {loss} at step {step}: training diverged. Lower "
+            "optimizer.lr, set clip_grad_norm, use dtype=fp32, or check the data "
+            "for empty or corrupt samples."
+        )
 
 # %% ../../nbs/71_training_utils.ipynb #9a17e1c6
 def setup_run(cfg: Any) -> tuple[torch.device, torch.dtype, torch.Generator, Path]:
-    "(device, dtype, data generator, output_dir) for a recipe config; writes output_dir/config.yaml."
+    """(device, dtype, data generator, output_dir) for a recipe config; writes
+    output_dir/config.yaml.
+    """
     from omegaconf import OmegaConf
+
     device = get_device(cfg.device)
     dtype = get_dtype(cfg.dtype, device)
     generator = set_seed(cfg.seed)
@@ -97,32 +122,54 @@ class JsonlLogger:
 
 def read_jsonl(path: Union[str, Path]) -> list[dict]:
     "The objects of a JSON-lines log."
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return [
+        json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()
+    ]
 
 # %% ../../nbs/71_training_utils.ipynb #7664cb7e
-def training_schedule(cfg: Any, num_batches: int, optimizer: torch.optim.Optimizer) -> tuple[int, int, int, Any]:
-    """(gradient accumulation, optimizer steps per epoch, total steps, lr scheduler or None) for a recipe config and
-    a loader of `num_batches` batches per epoch (per rank when distributed)."""
+def training_schedule(
+    cfg: Any, num_batches: int, optimizer: torch.optim.Optimizer
+) -> tuple[int, int, int, Any]:
+    """(gradient accumulation, optimizer steps per epoch, total steps, lr scheduler or
+    None) for a recipe config and a loader of `num_batches` batches per epoch (per rank
+    when distributed).
+    """
     import torchtune_lit.config as config
+
     accumulation = cfg.get("gradient_accumulation_steps", 1)
     if not isinstance(accumulation, int) or accumulation < 1:
-        raise ValueError(f"gradient_accumulation_steps must be a whole number >= 1, got {accumulation!r}.")
+        raise ValueError(
+            "gradient_accumulation_steps must be a whole number >= 1, "
+            f"got {accumulation!r}."
+        )
     steps_per_epoch = num_batches // accumulation
     if cfg.get("max_steps_per_epoch"):
         steps_per_epoch = min(steps_per_epoch, cfg.max_steps_per_epoch)
     if steps_per_epoch < 1:
-        raise ValueError(f"no optimizer step per epoch: {num_batches} batches, gradient_accumulation_steps={accumulation}, "
-                         f"max_steps_per_epoch={cfg.get('max_steps_per_epoch')}. Lower gradient_accumulation_steps or "
-                         "batch_size, or add data.")
+        raise ValueError(
+            f"no optimizer step per epoch: {num_batches} batches, "
+            f"gradient_accumulation_steps={accumulation}, "
+            f"max_steps_per_epoch={cfg.get('max_steps_per_epoch')}. Lower "
+            "gradient_accumulation_steps or batch_size, or add data."
+        )
     total_steps = cfg.epochs * steps_per_epoch
-    lr_scheduler = (config.instantiate(cfg.lr_scheduler, optimizer, num_training_steps=total_steps)
-                    if cfg.get("lr_scheduler") else None)
+    lr_scheduler = (
+        config.instantiate(cfg.lr_scheduler, optimizer, num_training_steps=total_steps)
+        if cfg.get("lr_scheduler")
+        else None
+    )
     return accumulation, steps_per_epoch, total_steps, lr_scheduler
 
 # %% ../../nbs/71_training_utils.ipynb #53c97cf8
 def capture_rng_state(epoch_generator_state: torch.Tensor) -> dict[str, Any]:
-    "Python's and torch's random states now, and the data generator's state at the start of the current epoch."
-    state = {"python": random.getstate(), "torch": torch.get_rng_state(), "generator": epoch_generator_state}
+    """Python's and torch's random states now, and the data generator's state at the
+    start of the current epoch.
+    """
+    state = {
+        "python": random.getstate(),
+        "torch": torch.get_rng_state(),
+        "generator": epoch_generator_state,
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -138,36 +185,66 @@ def restore_rng_state(state: dict[str, Any]) -> None:
 
 
 def latest_step_checkpoint(output_dir: Union[str, Path]) -> Optional[Path]:
-    "The newest complete `step_N` folder (one with recipe_state.pt) under `output_dir`, or None."
-    folders = [p for p in Path(output_dir).glob("step_*") if (p / "recipe_state.pt").is_file() and p.name[5:].isdigit()]
+    """The newest complete `step_N` folder (one with recipe_state.pt) under
+    `output_dir`, or None.
+    """
+    folders = [
+        p
+        for p in Path(output_dir).glob("step_*")
+        if (p / "recipe_state.pt").is_file() and p.name[5:].isdigit()
+    ]
     return max(folders, key=lambda p: int(p.name[5:]), default=None)
 
 
 def load_recipe_state(folder: Union[str, Path]) -> dict[str, Any]:
     "recipe_state.pt of an intermediate checkpoint, read with weights_only=True."
-    return torch.load(Path(folder) / "recipe_state.pt", map_location="cpu", weights_only=True)
+    return torch.load(
+        Path(folder) / "recipe_state.pt", map_location="cpu", weights_only=True
+    )
 
 
-def make_recipe_state(optimizer: torch.optim.Optimizer, lr_scheduler: Any, epoch: int, steps_into_epoch: int,
-                      step: int, epoch_generator_state: torch.Tensor) -> dict[str, Any]:
+def make_recipe_state(
+    optimizer: torch.optim.Optimizer,
+    lr_scheduler: Any,
+    epoch: int,
+    steps_into_epoch: int,
+    step: int,
+    epoch_generator_state: torch.Tensor,
+) -> dict[str, Any]:
     "Everything besides the weights that an exact resume needs (see above)."
-    return {"optimizer": optimizer.state_dict(), "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler else None,
-            "epoch": epoch, "steps_into_epoch": steps_into_epoch, "step": step,
-            "rng": capture_rng_state(epoch_generator_state)}
+    return {
+        "optimizer": optimizer.state_dict(),
+        "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler else None,
+        "epoch": epoch,
+        "steps_into_epoch": steps_into_epoch,
+        "step": step,
+        "rng": capture_rng_state(epoch_generator_state),
+    }
 
 
-def restore_training_state(state: dict[str, Any], optimizer: torch.optim.Optimizer, lr_scheduler: Any) -> None:
-    "Load optimizer and scheduler state from a recipe state (the random states are restored by the loop)."
+def restore_training_state(
+    state: dict[str, Any], optimizer: torch.optim.Optimizer, lr_scheduler: Any
+) -> None:
+    """Load optimizer and scheduler state from a recipe state (the random states are
+    restored by the loop).
+    """
     optimizer.load_state_dict(state["optimizer"])
     if lr_scheduler is not None and state.get("lr_scheduler") is not None:
         lr_scheduler.load_state_dict(state["lr_scheduler"])
 
 
-def resume_position(state: Optional[dict[str, Any]], optimizer: torch.optim.Optimizer, lr_scheduler: Any,
-                    generator: torch.Generator, log_path: Union[str, Path]) -> tuple[int, int, int, Optional[dict]]:
-    """Where a loop continues: (epoch, optimizer steps to skip in it, global step, random states to restore before the
-    next step) — (0, 0, 0, None) for a fresh run. Restores optimizer and scheduler, drops log lines after the
-    checkpoint's step and rewinds the data generator to the start of the checkpoint's epoch."""
+def resume_position(
+    state: Optional[dict[str, Any]],
+    optimizer: torch.optim.Optimizer,
+    lr_scheduler: Any,
+    generator: torch.Generator,
+    log_path: Union[str, Path],
+) -> tuple[int, int, int, Optional[dict]]:
+    """Where a loop continues: (epoch, optimizer steps to skip in it, global step,
+    random states to restore before the next step) — (0, 0, 0, None) for a fresh run.
+    Restores optimizer and scheduler, drops log lines after the checkpoint's step and
+    rewinds the data generator to the start of the checkpoint's epoch.
+    """
     if state is None:
         return 0, 0, 0, None
     restore_training_state(state, optimizer, lr_scheduler)
@@ -179,37 +256,68 @@ def resume_position(state: Optional[dict[str, Any]], optimizer: torch.optim.Opti
 def prune_step_checkpoints(output_dir: Union[str, Path], keep: int) -> None:
     "Delete all but the newest `keep` step_N folders."
     import shutil
-    folders = sorted((p for p in Path(output_dir).glob("step_*") if p.name[5:].isdigit()), key=lambda p: int(p.name[5:]))
+
+    folders = sorted(
+        (p for p in Path(output_dir).glob("step_*") if p.name[5:].isdigit()),
+        key=lambda p: int(p.name[5:]),
+    )
     for old in folders[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
 
 
 def truncate_log(path: Union[str, Path], last_step: int) -> None:
-    "Drop log lines after `last_step`: a resumed run recomputes (and re-logs) those steps."
+    """Drop log lines after `last_step`: a resumed run recomputes (and re-logs) those
+    steps.
+    """
     path = Path(path)
     if path.is_file():
-        kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= last_step]
+        kept = [
+            line
+            for line in path.read_text().splitlines()
+            if line.strip() and json.loads(line)["step"] <= last_step
+        ]
         path.write_text("".join(line + "\n" for line in kept))
 
 # %% ../../nbs/71_training_utils.ipynb #7ae82995
 def shift_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
     "Labels for next-token prediction: labels[:, 1:] followed by one ignored position."
-    return torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], ignore_index)], dim=1)
+    return torch.cat(
+        [labels[:, 1:], torch.full_like(labels[:, :1], ignore_index)], dim=1
+    )
 
 
-def summed_cross_entropy(logits: Union[torch.Tensor, list[torch.Tensor]], labels: torch.Tensor,
-                         ignore_index: int = -100) -> torch.Tensor:
-    "Cross-entropy summed over trained positions, in fp32; accepts the decoder's list of chunks."
+def summed_cross_entropy(
+    logits: Union[torch.Tensor, list[torch.Tensor]],
+    labels: torch.Tensor,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """Cross-entropy summed over trained positions, in fp32; accepts the decoder's list
+    of chunks.
+    """
     if isinstance(logits, list):
         chunks = labels.chunk(len(logits), dim=1)
-        return sum(summed_cross_entropy(l, y, ignore_index) for l, y in zip(logits, chunks))
-    return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
-                                             ignore_index=ignore_index, reduction="sum")
+        return sum(
+            summed_cross_entropy(l, y, ignore_index) for l, y in zip(logits, chunks)
+        )
+    return torch.nn.functional.cross_entropy(
+        logits.float().flatten(0, 1),
+        labels.flatten(),
+        ignore_index=ignore_index,
+        reduction="sum",
+    )
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list[dict[str, torch.Tensor]],
-               step: int, clip_grad_norm: Optional[float] = None, lr_scheduler: Any = None) -> dict[str, float]:
-    "One optimizer step over `micro_batches` (dicts of tokens/labels and optional mask/input_pos); returns its metrics."
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: list[dict[str, torch.Tensor]],
+    step: int,
+    clip_grad_norm: Optional[float] = None,
+    lr_scheduler: Any = None,
+) -> dict[str, float]:
+    """One optimizer step over `micro_batches` (dicts of tokens/labels and optional
+    mask/input_pos); returns its metrics.
+    """
     start = time.perf_counter()
     loss_sum, num_tokens = 0.0, 0
     for batch in micro_batches:
@@ -220,28 +328,46 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches
         loss_sum += loss.item()
         num_tokens += int((labels != -100).sum())
     if num_tokens == 0:
-        raise RuntimeError(f"step {step} has no trained token in any micro-batch: check the dataset's masking "
-                           "(train_on_input) and max_seq_len.")
+        raise RuntimeError(
+            f"step {step} has no trained token in any micro-batch: "
+            "check the dataset's masking (train_on_input) and max_seq_len."
+        )
     check_loss_is_finite(loss_sum / num_tokens, step)
     scale_grads(model, 1.0 / num_tokens)
     grad_norm = None
     if clip_grad_norm:
-        grad_norm = float(torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], clip_grad_norm))
+        grad_norm = float(
+            torch.nn.utils.clip_grad_norm_(
+                [p for p in model.parameters() if p.requires_grad], clip_grad_norm
+            )
+        )
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     if lr_scheduler is not None:
         lr_scheduler.step()
     elapsed = time.perf_counter() - start
-    metrics = {"step": step, "loss": loss_sum / num_tokens, "lr": optimizer.param_groups[0]["lr"], "tokens": num_tokens,
-               "tokens_per_second": num_tokens / elapsed}
+    metrics = {
+        "step": step,
+        "loss": loss_sum / num_tokens,
+        "lr": optimizer.param_groups[0]["lr"],
+        "tokens": num_tokens,
+        "tokens_per_second": num_tokens / elapsed,
+    }
     if grad_norm is not None:
         metrics["grad_norm"] = grad_norm
     return metrics
 
 # %% ../../nbs/71_training_utils.ipynb #36b3604e
 @torch.no_grad()
-def validation_loss(model: nn.Module, loader: Any, device: torch.device, max_batches: Optional[int] = None) -> float:
-    "Mean cross-entropy per trained token over (up to `max_batches` of) `loader`, in eval mode."
+def validation_loss(
+    model: nn.Module,
+    loader: Any,
+    device: torch.device,
+    max_batches: Optional[int] = None,
+) -> float:
+    """Mean cross-entropy per trained token over (up to `max_batches` of) `loader`, in
+    eval mode.
+    """
     was_training = model.training
     model.eval()
     loss_sum, tokens = 0.0, 0
@@ -250,9 +376,14 @@ def validation_loss(model: nn.Module, loader: Any, device: torch.device, max_bat
             break
         labels = shift_labels(batch["labels"].to(device))
         kwargs = {k: batch[k].to(device) for k in ("mask", "input_pos") if k in batch}
-        loss_sum += summed_cross_entropy(model(batch["tokens"].to(device), **kwargs), labels).item()
+        loss_sum += summed_cross_entropy(
+            model(batch["tokens"].to(device), **kwargs), labels
+        ).item()
         tokens += int((labels != -100).sum())
     model.train(was_training)
     if tokens == 0:
-        raise RuntimeError("the validation data has no trained token: check validation_dataset's masking and columns.")
+        raise RuntimeError(
+            "the validation data has no trained token: check "
+            "validation_dataset's masking and columns."
+        )
     return loss_sum / tokens

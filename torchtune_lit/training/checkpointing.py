@@ -18,42 +18,72 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..modules.low_precision.nf4 import NF4Tensor
-from ..models.convert_weights import (hf_to_tune, tune_to_hf, tune_to_peft_adapter_config,
-                                                  tune_to_peft_adapter_weights)
+from torchtune_lit.models.convert_weights import (
+    hf_to_tune,
+    tune_to_hf,
+    tune_to_peft_adapter_config,
+    tune_to_peft_adapter_weights,
+)
 
 # %% ../../nbs/70_checkpointing.ipynb #2ad92282
 class CheckpointError(RuntimeError):
-    "A checkpoint that cannot be read or does not fit the model; the message names files, keys and shapes."
+    """A checkpoint that cannot be read or does not fit the model; the message names
+    files, keys and shapes.
+    """
 
 
 # torchtune's model_type names -> the Hugging Face config.json model_type they load
-MODEL_TYPES = {"LLAMA3": "llama", "LLAMA3_1": "llama", "LLAMA3_2": "llama", "QWEN2": "qwen2", "QWEN2_5": "qwen2",
-               "MISTRAL": "mistral", "GEMMA2": "gemma2"}
+MODEL_TYPES = {
+    "LLAMA3": "llama",
+    "LLAMA3_1": "llama",
+    "LLAMA3_2": "llama",
+    "QWEN2": "qwen2",
+    "QWEN2_5": "qwen2",
+    "MISTRAL": "mistral",
+    "GEMMA2": "gemma2",
+}
 
 
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    "All tensors of one checkpoint file: safetensors, or a PyTorch .bin/.pt file loaded with weights_only=True."
+    """All tensors of one checkpoint file: safetensors, or a PyTorch .bin/.pt file
+    loaded with weights_only=True.
+    """
     if path.suffix == ".safetensors":
         return load_file(str(path))
     return torch.load(path, map_location="cpu", weights_only=True)
 
 # %% ../../nbs/70_checkpointing.ipynb #77e32f82
 class FullModelHFCheckpointer:
-    """Reads (and, with the training-systems chapter, writes) full models in Hugging Face format.
+    """Reads (and, with the training-systems chapter, writes) full models in Hugging
+    Face format.
 
-    `checkpoint_dir` holds config.json and the weights; `checkpoint_files` lists the weight files (default: the shards
-    of model.safetensors.index.json, else model.safetensors); `model_type` is torchtune's name (LLAMA3, LLAMA3_2,
-    QWEN2, MISTRAL, GEMMA2), checked against config.json (default: taken from it)."""
+    `checkpoint_dir` holds config.json and the weights; `checkpoint_files` lists the
+    weight files (default: the shards of model.safetensors.index.json, else
+    model.safetensors); `model_type` is torchtune's name (LLAMA3, LLAMA3_2, QWEN2,
+    MISTRAL, GEMMA2), checked against config.json (default: taken from it).
+    """
 
-    def __init__(self, checkpoint_dir: Union[str, Path], checkpoint_files: Optional[Iterable[str]] = None,
-                 model_type: Optional[str] = None, output_dir: Optional[Union[str, Path]] = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        checkpoint_dir: Union[str, Path],
+        checkpoint_files: Optional[Iterable[str]] = None,
+        model_type: Optional[str] = None,
+        output_dir: Optional[Union[str, Path]] = None,
+        **kwargs: Any,
+    ) -> None:
         self.checkpoint_dir = Path(checkpoint_dir)
         if not self.checkpoint_dir.is_dir():
-            raise CheckpointError(f"checkpoint_dir {self.checkpoint_dir} does not exist. Download the model first, "
-                                  "e.g. 'tunelit download meta-llama/Llama-3.2-1B-Instruct --output-dir DIR'.")
+            raise CheckpointError(
+                f"checkpoint_dir {self.checkpoint_dir} does not "
+                "exist. Download the model first, e.g. 'tunelit download "
+                "meta-llama/Llama-3.2-1B-Instruct --output-dir DIR'."
+            )
         config_path = self.checkpoint_dir / "config.json"
         if not config_path.is_file():
-            raise CheckpointError(f"{config_path} is missing: a Hugging Face checkpoint folder has a config.json.")
+            raise CheckpointError(
+                f"{config_path} is missing: a Hugging Face "
+                "checkpoint folder has a config.json."
+            )
         self.config = json.loads(config_path.read_text())
         self.hf_model_type = self._check_model_type(model_type)
         self.checkpoint_files = self._resolve_files(checkpoint_files)
@@ -63,55 +93,93 @@ class FullModelHFCheckpointer:
         in_config = self.config.get("model_type")
         if model_type is None:
             if in_config not in MODEL_TYPES.values():
-                raise CheckpointError(f"config.json model_type {in_config!r} is not supported; supported: "
-                                      f"{sorted(set(MODEL_TYPES.values()))}.")
+                raise CheckpointError(
+                    f"config.json model_type {in_config!r} is not "
+                    f"supported; supported: {sorted(set(MODEL_TYPES.values()))}."
+                )
             return in_config
         if model_type not in MODEL_TYPES:
-            raise CheckpointError(f"unknown model_type {model_type!r}; use one of {sorted(MODEL_TYPES)}.")
+            raise CheckpointError(
+                f"unknown model_type {model_type!r}; use one of {sorted(MODEL_TYPES)}."
+            )
         if MODEL_TYPES[model_type] != in_config:
-            raise CheckpointError(f"model_type {model_type} expects a {MODEL_TYPES[model_type]!r} checkpoint, but "
-                                  f"{self.checkpoint_dir}/config.json says model_type {in_config!r}. Fix model_type or "
-                                  "checkpoint_dir.")
+            raise CheckpointError(
+                f"model_type {model_type} expects a "
+                f"{MODEL_TYPES[model_type]!r} checkpoint, but "
+                f"{self.checkpoint_dir}/config.json says model_type {in_config!r}. "
+                "Fix model_type or checkpoint_dir."
+            )
         return in_config
 
     def _resolve_files(self, checkpoint_files: Optional[Iterable[str]]) -> list[Path]:
         if checkpoint_files is None:
             index = self.checkpoint_dir / "model.safetensors.index.json"
             if index.is_file():
-                checkpoint_files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+                checkpoint_files = sorted(
+                    set(json.loads(index.read_text())["weight_map"].values())
+                )
             else:
                 checkpoint_files = ["model.safetensors"]
         paths = [self.checkpoint_dir / name for name in checkpoint_files]
         missing = [p.name for p in paths if not p.is_file()]
         if missing:
-            present = sorted(p.name for p in self.checkpoint_dir.iterdir() if p.suffix in (".safetensors", ".bin", ".pt"))
-            raise CheckpointError(f"checkpoint file(s) {missing} not found in {self.checkpoint_dir}; weight files "
-                                  f"present: {present or 'none'}.")
+            present = sorted(
+                p.name
+                for p in self.checkpoint_dir.iterdir()
+                if p.suffix in (".safetensors", ".bin", ".pt")
+            )
+            raise CheckpointError(
+                f"checkpoint file(s) {missing} not found in "
+                f"{self.checkpoint_dir}; weight files present: {present or 'none'}."
+            )
         return paths
 
     def load_checkpoint(self) -> dict[str, dict[str, torch.Tensor]]:
-        "{'model': state dict in torchtune_lit keys} from every checkpoint file (shards merged, duplicates refused)."
+        """{'model': state dict in torchtune_lit keys} from every checkpoint file
+        (shards merged, duplicates refused).
+        """
         merged: dict[str, torch.Tensor] = {}
         for path in self.checkpoint_files:
             tensors = _read_tensors(path)
             duplicated = sorted(merged.keys() & tensors.keys())
             if duplicated:
-                raise CheckpointError(f"{path.name} repeats keys already loaded from another file, e.g. {duplicated[:3]}.")
+                raise CheckpointError(
+                    f"{path.name} repeats keys already loaded from "
+                    f"another file, e.g. {duplicated[:3]}."
+                )
             merged.update(tensors)
         cfg = self.config
         num_heads = cfg["num_attention_heads"]
-        converted = hf_to_tune(merged, num_heads=num_heads, num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-                               dim=cfg["hidden_size"], head_dim=cfg.get("head_dim"), model_type=self.hf_model_type,
-                               tie_word_embeddings=cfg.get("tie_word_embeddings", self.hf_model_type == "gemma2"))
+        converted = hf_to_tune(
+            merged,
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            dim=cfg["hidden_size"],
+            head_dim=cfg.get("head_dim"),
+            model_type=self.hf_model_type,
+            tie_word_embeddings=cfg.get(
+                "tie_word_embeddings", self.hf_model_type == "gemma2"
+            ),
+        )
         return {"model": converted}
 
 # %% ../../nbs/70_checkpointing.ipynb #fde7decd
-SUPPORT_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                 "special_tokens_map.json", "tokenizer.model")
+SUPPORT_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+)
 
 
-def _shard(state_dict: dict[str, torch.Tensor], max_shard_bytes: int) -> list[dict[str, torch.Tensor]]:
-    "Split a state dict into consecutive shards of at most `max_shard_bytes` (a single larger tensor gets its own)."
+def _shard(
+    state_dict: dict[str, torch.Tensor], max_shard_bytes: int
+) -> list[dict[str, torch.Tensor]]:
+    """Split a state dict into consecutive shards of at most `max_shard_bytes` (a single
+    larger tensor gets its own).
+    """
     shards, current, size = [], {}, 0
     for key, value in state_dict.items():
         nbytes = value.numel() * value.element_size()
@@ -122,13 +190,24 @@ def _shard(state_dict: dict[str, torch.Tensor], max_shard_bytes: int) -> list[di
     return shards + [current] if current else shards
 
 
-def write_hf_weights(state_dict: dict[str, torch.Tensor], folder: Path, max_shard_bytes: int = 5 * 2**30) -> None:
-    "Write Hugging Face-keyed weights as `model.safetensors`, or shards plus `model.safetensors.index.json`."
-    tensors = {k: (v.get_original_weight() if isinstance(v, NF4Tensor) else v).detach().contiguous().cpu()
-               for k, v in state_dict.items()}
+def write_hf_weights(
+    state_dict: dict[str, torch.Tensor], folder: Path, max_shard_bytes: int = 5 * 2**30
+) -> None:
+    """Write Hugging Face-keyed weights as `model.safetensors`, or shards plus
+    `model.safetensors.index.json`.
+    """
+    tensors = {
+        k: (v.get_original_weight() if isinstance(v, NF4Tensor) else v)
+        .detach()
+        .contiguous()
+        .cpu()
+        for k, v in state_dict.items()
+    }
     shards = _shard(tensors, max_shard_bytes)
     if len(shards) == 1:
-        save_file(shards[0], str(folder / "model.safetensors"), metadata={"format": "pt"})
+        save_file(
+            shards[0], str(folder / "model.safetensors"), metadata={"format": "pt"}
+        )
         return
     weight_map = {}
     for i, shard in enumerate(shards, start=1):
@@ -137,11 +216,16 @@ def write_hf_weights(state_dict: dict[str, torch.Tensor], folder: Path, max_shar
         weight_map.update({k: name for k in shard})
     total = sum(v.numel() * v.element_size() for v in tensors.values())
     (folder / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2
+        )
+    )
 
 
 def _replace_folder(tmp: Path, final: Path) -> None:
-    "Move the finished `tmp` folder to `final`; an older `final` is set aside first and removed last."
+    """Move the finished `tmp` folder to `final`; an older `final` is set aside first
+    and removed last.
+    """
     old = final.with_name(final.name + ".old")
     if final.exists():
         shutil.rmtree(old, ignore_errors=True)
@@ -151,8 +235,10 @@ def _replace_folder(tmp: Path, final: Path) -> None:
 
 
 def _recover_interrupted_save(final: Path) -> None:
-    """Clean up after a save killed part-way: drop half-written `.NAME.tmp-PID` folders, and if the kill fell between
-    the two renames of `_replace_folder` (`final` moved aside, the new one not yet in place) put the previous one back."""
+    """Clean up after a save killed part-way: drop half-written `.NAME.tmp-PID` folders,
+    and if the kill fell between the two renames of `_replace_folder` (`final` moved
+    aside, the new one not yet in place) put the previous one back.
+    """
     for stale in final.parent.glob(f".{final.name}.tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)
     old = final.with_name(final.name + ".old")
@@ -160,11 +246,19 @@ def _recover_interrupted_save(final: Path) -> None:
         os.replace(old, final)
 
 
-def _save_checkpoint(self: "FullModelHFCheckpointer", state_dict: dict[str, Any], epoch: int,
-                     intermediate_checkpoint: bool = False, adapter_only: bool = False, step: Optional[int] = None,
-                     max_shard_bytes: int = 5 * 2**30) -> Path:
-    """Write `state_dict` ({'model': ..., 'adapter': ..., 'adapter_config': ..., other recipe state}) under
-    `output_dir/epoch_{epoch}` (or `step_{step}`), atomically. Returns the folder."""
+def _save_checkpoint(
+    self: "FullModelHFCheckpointer",
+    state_dict: dict[str, Any],
+    epoch: int,
+    intermediate_checkpoint: bool = False,
+    adapter_only: bool = False,
+    step: Optional[int] = None,
+    max_shard_bytes: int = 5 * 2**30,
+) -> Path:
+    """Write `state_dict` ({'model': ..., 'adapter': ..., 'adapter_config': ..., other
+    recipe state}) under `output_dir/epoch_{epoch}` (or `step_{step}`), atomically.
+    Returns the folder.
+    """
     if self.output_dir is None:
         raise CheckpointError("save_checkpoint needs the checkpointer's output_dir.")
     final = self.output_dir / (f"step_{step}" if step is not None else f"epoch_{epoch}")
@@ -173,38 +267,79 @@ def _save_checkpoint(self: "FullModelHFCheckpointer", state_dict: dict[str, Any]
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
     tmp.mkdir(parents=True)
     try:
-        self._write_checkpoint_files(state_dict, tmp, intermediate_checkpoint, adapter_only, max_shard_bytes)
+        self._write_checkpoint_files(
+            state_dict, tmp, intermediate_checkpoint, adapter_only, max_shard_bytes
+        )
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)   # never leave a half-written folder behind
+        # never leave a half-written folder behind
+        shutil.rmtree(tmp, ignore_errors=True)
         raise
     _replace_folder(tmp, final)
     return final
 
 
-def _write_checkpoint_files(self: "FullModelHFCheckpointer", state_dict: dict[str, Any], tmp: Path,
-                            intermediate_checkpoint: bool, adapter_only: bool, max_shard_bytes: int) -> None:
+def _write_checkpoint_files(
+    self: "FullModelHFCheckpointer",
+    state_dict: dict[str, Any],
+    tmp: Path,
+    intermediate_checkpoint: bool,
+    adapter_only: bool,
+    max_shard_bytes: int,
+) -> None:
     cfg = self.config
     num_heads = cfg["num_attention_heads"]
-    dims = dict(num_heads=num_heads, num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-                dim=cfg["hidden_size"], head_dim=cfg.get("head_dim"), model_type=self.hf_model_type)
+    dims = dict(
+        num_heads=num_heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+        dim=cfg["hidden_size"],
+        head_dim=cfg.get("head_dim"),
+        model_type=self.hf_model_type,
+    )
     if not adapter_only:
         if "model" not in state_dict:
-            raise CheckpointError("state_dict has no 'model' entry to save (pass adapter_only=True to save adapters only).")
+            raise CheckpointError(
+                "state_dict has no 'model' entry to save (pass "
+                "adapter_only=True to save adapters only)."
+            )
         tied = cfg.get("tie_word_embeddings", self.hf_model_type == "gemma2")
-        write_hf_weights(tune_to_hf(state_dict["model"], tie_word_embeddings=tied, **dims), tmp, max_shard_bytes)
+        write_hf_weights(
+            tune_to_hf(state_dict["model"], tie_word_embeddings=tied, **dims),
+            tmp,
+            max_shard_bytes,
+        )
         for name in SUPPORT_FILES:
             if (self.checkpoint_dir / name).is_file():
                 shutil.copy2(self.checkpoint_dir / name, tmp / name)
     if "adapter" in state_dict:
         if "adapter_config" not in state_dict:
-            raise CheckpointError("state_dict has an 'adapter' but no 'adapter_config' (r, lora_alpha, target_modules).")
+            raise CheckpointError(
+                "state_dict has an 'adapter' but no "
+                "'adapter_config' (r, lora_alpha, target_modules)."
+            )
         (tmp / "adapter").mkdir()
-        save_file({k: v.contiguous() for k, v in tune_to_peft_adapter_weights(state_dict["adapter"], **dims).items()},
-                  str(tmp / "adapter" / "adapter_model.safetensors"), metadata={"format": "pt"})
-        peft_config = tune_to_peft_adapter_config(state_dict["adapter_config"], cfg.get("_name_or_path") or str(self.checkpoint_dir))
-        (tmp / "adapter" / "adapter_config.json").write_text(json.dumps(peft_config, indent=2))
+        save_file(
+            {
+                k: v.contiguous()
+                for k, v in tune_to_peft_adapter_weights(
+                    state_dict["adapter"], **dims
+                ).items()
+            },
+            str(tmp / "adapter" / "adapter_model.safetensors"),
+            metadata={"format": "pt"},
+        )
+        peft_config = tune_to_peft_adapter_config(
+            state_dict["adapter_config"],
+            cfg.get("_name_or_path") or str(self.checkpoint_dir),
+        )
+        (tmp / "adapter" / "adapter_config.json").write_text(
+            json.dumps(peft_config, indent=2)
+        )
     if intermediate_checkpoint:
-        recipe_state = {k: v for k, v in state_dict.items() if k not in ("model", "adapter", "adapter_config")}
+        recipe_state = {
+            k: v
+            for k, v in state_dict.items()
+            if k not in ("model", "adapter", "adapter_config")
+        }
         torch.save(recipe_state, tmp / "recipe_state.pt")
 
 
@@ -212,24 +347,49 @@ FullModelHFCheckpointer.save_checkpoint = _save_checkpoint
 FullModelHFCheckpointer._write_checkpoint_files = _write_checkpoint_files
 
 # %% ../../nbs/70_checkpointing.ipynb #746ddb2d
-def load_model_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor],
-                          allowed_missing: Iterable[str] = ()) -> None:
-    "Load `state_dict` into `model`; raise CheckpointError naming missing/unexpected keys and shape mismatches."
+def load_model_state_dict(
+    model: nn.Module,
+    state_dict: dict[str, torch.Tensor],
+    allowed_missing: Iterable[str] = (),
+) -> None:
+    """Load `state_dict` into `model`; raise CheckpointError naming missing/unexpected
+    keys and shape mismatches.
+    """
     check_state_dict(model.state_dict(), state_dict, allowed_missing)
     model.load_state_dict(state_dict, strict=not set(allowed_missing))
 
 
-def check_state_dict(expected: dict[str, torch.Tensor], state_dict: dict[str, torch.Tensor],
-                     allowed_missing: Iterable[str] = ()) -> None:
-    "Raise CheckpointError naming every missing/unexpected key and shape mismatch of `state_dict` against `expected`."
+def check_state_dict(
+    expected: dict[str, torch.Tensor],
+    state_dict: dict[str, torch.Tensor],
+    allowed_missing: Iterable[str] = (),
+) -> None:
+    """Raise CheckpointError naming every missing/unexpected key and shape mismatch of
+    `state_dict` against `expected`.
+    """
     allowed = set(allowed_missing)
     missing = sorted(k for k in expected.keys() - state_dict.keys() if k not in allowed)
     unexpected = sorted(state_dict.keys() - expected.keys())
-    mismatched = sorted(f"{k}: checkpoint {tuple(state_dict[k].shape)} vs model {tuple(expected[k].shape)}"
-                        for k in expected.keys() & state_dict.keys() if state_dict[k].shape != expected[k].shape)
-    problems = [f"{len(items)} {kind}, e.g. {items[:3]}" for kind, items in
-                (("missing key(s)", missing), ("unexpected key(s)", unexpected), ("shape mismatch(es)", mismatched)) if items]
+    mismatched = sorted(
+        f"{k}: checkpoint {tuple(state_dict[k].shape)} vs model "
+        f"{tuple(expected[k].shape)}"
+        for k in expected.keys() & state_dict.keys()
+        if state_dict[k].shape != expected[k].shape
+    )
+    problems = [
+        f"{len(items)} {kind}, e.g. {items[:3]}"
+        for kind, items in (
+            ("missing key(s)", missing),
+            ("unexpected key(s)", unexpected),
+            ("shape mismatch(es)", mismatched),
+        )
+        if items
+    ]
     if problems:
-        raise CheckpointError("the checkpoint does not fit the model: " + "; ".join(problems) +
-                              ". Check that the model builder matches the checkpoint's config.json "
-                              "(build_from_hf_config builds the matching model).")
+        raise CheckpointError(
+            "the checkpoint does not fit the model: "
+            + "; ".join(problems)
+            + ". Check that the model builder matches the "
+            "checkpoint's config.json (build_from_hf_config builds "
+            "the matching model)."
+        )

@@ -13,28 +13,56 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 # %% ../../nbs/72_lr_schedulers.ipynb #e391e35c
-def get_cosine_schedule_with_warmup(optimizer: torch.optim.Optimizer, num_warmup_steps: int, num_training_steps: int,
-                                    num_cycles: float = 0.5, last_epoch: int = -1) -> LambdaLR:
-    "Linear warm-up over `num_warmup_steps`, then cosine decay to 0 at `num_training_steps`."
+def get_cosine_schedule_with_warmup(
+    optimizer: torch.optim.Optimizer,
+    num_warmup_steps: int,
+    num_training_steps: int,
+    num_cycles: float = 0.5,
+    last_epoch: int = -1,
+) -> LambdaLR:
+    """Linear warm-up over `num_warmup_steps`, then cosine decay to 0 at
+    `num_training_steps`.
+    """
+
     def multiplier(step: int) -> float:
         if step < num_warmup_steps:
             return step / max(1, num_warmup_steps)
-        progress = (step - num_warmup_steps) / max(1, num_training_steps - num_warmup_steps)
+        progress = (step - num_warmup_steps) / max(
+            1, num_training_steps - num_warmup_steps
+        )
         return max(0.0, 0.5 * (1.0 + math.cos(math.pi * num_cycles * 2.0 * progress)))
+
     return LambdaLR(optimizer, multiplier, last_epoch)
 
 
-def get_linear_schedule_with_warmup(optimizer: torch.optim.Optimizer, num_warmup_steps: int, num_training_steps: int,
-                                    last_epoch: int = -1) -> LambdaLR:
+def get_linear_schedule_with_warmup(
+    optimizer: torch.optim.Optimizer,
+    num_warmup_steps: int,
+    num_training_steps: int,
+    last_epoch: int = -1,
+) -> LambdaLR:
     "Linear warm-up, then linear decay to 0 at `num_training_steps`."
+
     def multiplier(step: int) -> float:
         if step < num_warmup_steps:
             return step / max(1, num_warmup_steps)
-        return max(0.0, (num_training_steps - step) / max(1, num_training_steps - num_warmup_steps))
+        return max(
+            0.0,
+            (num_training_steps - step) / max(1, num_training_steps - num_warmup_steps),
+        )
+
     return LambdaLR(optimizer, multiplier, last_epoch)
 
 
-def get_constant_schedule_with_warmup(optimizer: torch.optim.Optimizer, num_warmup_steps: int,
-                                      num_training_steps: Optional[int] = None, last_epoch: int = -1) -> LambdaLR:
-    "Linear warm-up, then the base rate. (`num_training_steps` is accepted and unused, so recipes can pass it to any schedule.)"
-    return LambdaLR(optimizer, lambda step: min(1.0, step / max(1, num_warmup_steps)), last_epoch)
+def get_constant_schedule_with_warmup(
+    optimizer: torch.optim.Optimizer,
+    num_warmup_steps: int,
+    num_training_steps: Optional[int] = None,
+    last_epoch: int = -1,
+) -> LambdaLR:
+    """Linear warm-up, then the base rate. (`num_training_steps` is accepted and unused,
+    so recipes can pass it to any schedule.)
+    """
+    return LambdaLR(
+        optimizer, lambda step: min(1.0, step / max(1, num_warmup_steps)), last_epoch
+    )

@@ -18,7 +18,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 # %% ../../nbs/76_memory.ipynb #08aef02d
-NF4_BITS_PER_PARAM = 4 + 8 / 64 + 32 / (64 * 256)   # 4-bit codes, an int8 scale per 64, an fp32 factor per 256 scales
+# 4-bit codes, an int8 scale per 64, an fp32 factor per 256 scales
+NF4_BITS_PER_PARAM = 4 + 8 / 64 + 32 / (64 * 256)
 
 
 def _trains(module: Optional[nn.Module]) -> bool:
@@ -30,10 +31,15 @@ def _lora_rank(module: nn.Module) -> int:
     return getattr(module, "rank", 0) if hasattr(module, "lora_a") else 0
 
 
-def layer_activation_bytes_per_token(layer: nn.Module, bytes_per_element: int,
-                                     attention_bytes_per_element: Optional[int] = None) -> int:
-    """Bytes autograd keeps per token for one `TransformerSelfAttentionLayer` (derivation above).
-    `attention_bytes_per_element` is the element size SDPA runs in, when it differs from the parameters'."""
+def layer_activation_bytes_per_token(
+    layer: nn.Module,
+    bytes_per_element: int,
+    attention_bytes_per_element: Optional[int] = None,
+) -> int:
+    """Bytes autograd keeps per token for one `TransformerSelfAttentionLayer`
+    (derivation above). `attention_bytes_per_element` is the element size SDPA runs in,
+    when it differs from the parameters'.
+    """
     attn, mlp, b = layer.attn, layer.mlp, bytes_per_element
     b_attn = attention_bytes_per_element or b
     d = layer.mlp_norm.scale.numel()
@@ -46,9 +52,10 @@ def layer_activation_bytes_per_token(layer: nn.Module, bytes_per_element: int,
 
     qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
     total = norm(layer.sa_norm, any(_trains(m) for m in qkv))
-    total += b_attn * (2 * h + 2 * g) + 4 * attn.num_heads      # SDPA: q, output, k, v (kv width), log-sum-exp
+    # SDPA: q, output, k, v (kv width), log-sum-exp
+    total += b_attn * (2 * h + 2 * g) + 4 * attn.num_heads
     total += norm(layer.mlp_norm, _trains(mlp.w1) or _trains(mlp.w3))
-    total += 3 * b * f + (b * f if _trains(mlp.w2) else 0)         # SwiGLU
+    total += 3 * b * f + (b * f if _trains(mlp.w2) else 0)  # SwiGLU
     adapted = (*qkv, attn.output_proj, mlp.w1, mlp.w2, mlp.w3)
     return total + sum(b * _lora_rank(m) for m in adapted)
 
@@ -56,21 +63,31 @@ def layer_activation_bytes_per_token(layer: nn.Module, bytes_per_element: int,
 def _parameter_bytes(model: nn.Module, bytes_per_element: int) -> tuple[float, int]:
     "(bytes of all weights, number of trainable parameters), NF4 bases at 4.127 bits."
     from torchtune_lit.modules.low_precision.nf4 import FrozenNF4Linear, NF4Tensor
-    nf4 = {id(m.weight) for m in model.modules() if getattr(m, "_quantize_base", False) or isinstance(m, FrozenNF4Linear)}
+
+    nf4 = {
+        id(m.weight)
+        for m in model.modules()
+        if getattr(m, "_quantize_base", False) or isinstance(m, FrozenNF4Linear)
+    }
     nf4 |= {id(p) for p in model.parameters() if isinstance(p, NF4Tensor)}
     weights, trainable, seen = 0.0, 0, set()
     for p in model.parameters():
         if id(p) in seen:
             continue
         seen.add(id(p))
-        weights += p.numel() * (NF4_BITS_PER_PARAM / 8 if id(p) in nf4 else bytes_per_element)
+        weights += p.numel() * (
+            NF4_BITS_PER_PARAM / 8 if id(p) in nf4 else bytes_per_element
+        )
         trainable += p.numel() if p.requires_grad else 0
     return weights, trainable
 
 
 @dataclass
 class MemoryEstimate:
-    "Predicted bytes of each term of a training step's peak; `total` is the peak, `largest` names the biggest term."
+    """Predicted bytes of each term of a training step's peak; `total` is the peak,
+    `largest` names the biggest term.
+    """
+
     weights: float
     gradients: float
     optimizer_states: float
@@ -84,30 +101,58 @@ class MemoryEstimate:
     @property
     def total(self) -> float:
         end_of_forward = self.activations + self.loss
-        during_backward = self.activations + self.recomputed      # checkpointing: one layer rebuilt at a time
-        return self.weights + self.optimizer_states + max(end_of_forward, during_backward, self.gradients)
+        # checkpointing: one layer rebuilt at a time
+        during_backward = self.activations + self.recomputed
+        return (
+            self.weights
+            + self.optimizer_states
+            + max(end_of_forward, during_backward, self.gradients)
+        )
 
     @property
     def largest(self) -> str:
-        terms = {"weights": self.weights, "gradients": self.gradients, "optimizer states": self.optimizer_states,
-                 "activations": self.activations, "loss (logits)": self.loss}
+        terms = {
+            "weights": self.weights,
+            "gradients": self.gradients,
+            "optimizer states": self.optimizer_states,
+            "activations": self.activations,
+            "loss (logits)": self.loss,
+        }
         return max(terms, key=terms.get)
 
     def summary(self) -> str:
-        gib = 2 ** 30
-        recompute = f", activations + recomputed layer {(self.activations + self.recomputed) / gib:.2f}" if self.recomputed else ""
-        return (f"predicted peak {self.total / gib:.2f} GiB = weights {self.weights / gib:.2f} + optimizer states "
-                f"{self.optimizer_states / gib:.2f} + max(activations {self.activations / gib:.2f} + loss "
-                f"{self.loss / gib:.2f}{recompute}, gradients {self.gradients / gib:.2f}); largest: {self.largest}")
+        gib = 2**30
+        recompute = (
+            ", activations + recomputed layer "
+            f"{(self.activations + self.recomputed) / gib:.2f}"
+            if self.recomputed
+            else ""
+        )
+        return (
+            f"predicted peak {self.total / gib:.2f} GiB = weights "
+            f"{self.weights / gib:.2f} + optimizer states "
+            f"{self.optimizer_states / gib:.2f} + max(activations "
+            f"{self.activations / gib:.2f} + loss {self.loss / gib:.2f}{recompute}, "
+            f"gradients {self.gradients / gib:.2f}); largest: {self.largest}"
+        )
 
 
-def estimate_training_memory(model: nn.Module, batch_size: int, seq_len: int, dtype: torch.dtype = torch.bfloat16,
-                             activation_checkpointing: bool = False, optimizer_states_per_param: int = 2,
-                             device: Optional[torch.device] = None) -> MemoryEstimate:
-    """The peak memory of one training step of `model` (with its `requires_grad` flags as the recipe sets them) on
-    `batch_size` x `seq_len` tokens in `dtype`. AdamW keeps 2 states per trainable parameter, SGD with momentum 1.
-    `device` (default: where the model's parameters are) decides whether attention runs in fp32 (CPU, short bf16)."""
+def estimate_training_memory(
+    model: nn.Module,
+    batch_size: int,
+    seq_len: int,
+    dtype: torch.dtype = torch.bfloat16,
+    activation_checkpointing: bool = False,
+    optimizer_states_per_param: int = 2,
+    device: Optional[torch.device] = None,
+) -> MemoryEstimate:
+    """The peak memory of one training step of `model` (with its `requires_grad` flags
+    as the recipe sets them) on `batch_size` x `seq_len` tokens in `dtype`. AdamW keeps
+    2 states per trainable parameter, SGD with momentum 1. `device` (default: where the
+    model's parameters are) decides whether attention runs in fp32 (CPU, short bf16).
+    """
     from torchtune_lit.modules.attention import sdpa_compute_dtype
+
     b = torch.empty((), dtype=dtype).element_size()
     tokens = batch_size * seq_len
     weights, trainable = _parameter_bytes(model, b)
@@ -115,57 +160,92 @@ def estimate_training_memory(model: nn.Module, batch_size: int, seq_len: int, dt
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
     per_layer = []
     for layer in model.layers:
-        attention_dtype = sdpa_compute_dtype(dtype, device, seq_len, layer.attn.head_dim)
-        per_layer.append(layer_activation_bytes_per_token(layer, b, torch.empty((), dtype=attention_dtype).element_size()))
+        attention_dtype = sdpa_compute_dtype(
+            dtype, device, seq_len, layer.attn.head_dim
+        )
+        per_layer.append(
+            layer_activation_bytes_per_token(
+                layer, b, torch.empty((), dtype=attention_dtype).element_size()
+            )
+        )
     notes, recomputed = [], 0.0
     if activation_checkpointing:
         activations = tokens * len(per_layer) * b * model.tok_embeddings.embedding_dim
         recomputed = tokens * max(per_layer)
-        notes.append("activation checkpointing: each layer keeps its input; one layer is recomputed at a time")
+        notes.append(
+            "activation checkpointing: each layer keeps its input; one "
+            "layer is recomputed at a time"
+        )
     else:
         activations = tokens * sum(per_layer)
     d = model.norm.scale.numel()
     activations += tokens * 4 * d * (2 if _trains(model.norm) else 1)
     vocab = model.tok_embeddings.num_embeddings
-    loss = tokens * vocab * (b + 12)                      # logits, their fp32 log-softmax and its gradient
-    return MemoryEstimate(weights=weights, gradients=trainable * b, optimizer_states=optimizer_states_per_param * trainable * b,
-                          activations=activations, loss=loss, tokens=tokens, notes=notes, recomputed=recomputed)
+    # logits, their fp32 log-softmax and its gradient
+    loss = tokens * vocab * (b + 12)
+    return MemoryEstimate(
+        weights=weights,
+        gradients=trainable * b,
+        optimizer_states=optimizer_states_per_param * trainable * b,
+        activations=activations,
+        loss=loss,
+        tokens=tokens,
+        notes=notes,
+        recomputed=recomputed,
+    )
 
 # %% ../../nbs/76_memory.ipynb #064260d4
 def _checkpointed_forward(forward: Callable, *args: Any, **kwargs: Any) -> Any:
-    return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    return torch.utils.checkpoint.checkpoint(
+        forward, *args, use_reentrant=False, **kwargs
+    )
 
 
 def _default_policy() -> tuple[type, ...]:
     from torchtune_lit.modules.transformer import TransformerSelfAttentionLayer
+
     return (TransformerSelfAttentionLayer,)
 
 
-def set_activation_checkpointing(model: nn.Module, auto_wrap_policy: Optional[Iterable[type]] = None) -> int:
-    """Recompute every module of a class in `auto_wrap_policy` (default: the decoder layer) in backward instead of
-    keeping its activations. Parameter names are unchanged. Returns how many modules were wrapped."""
-    policy = tuple(auto_wrap_policy) if auto_wrap_policy is not None else _default_policy()
+def set_activation_checkpointing(
+    model: nn.Module, auto_wrap_policy: Optional[Iterable[type]] = None
+) -> int:
+    """Recompute every module of a class in `auto_wrap_policy` (default: the decoder
+    layer) in backward instead of keeping its activations. Parameter names are
+    unchanged. Returns how many modules were wrapped.
+    """
+    policy = (
+        tuple(auto_wrap_policy) if auto_wrap_policy is not None else _default_policy()
+    )
     wrapped = 0
     for module in model.modules():
-        if isinstance(module, policy) and not getattr(module, "_activation_checkpointed", False):
+        if isinstance(module, policy) and not getattr(
+            module, "_activation_checkpointed", False
+        ):
             module.forward = _partial_forward(module.forward)
             module._activation_checkpointed = True
             wrapped += 1
     if wrapped == 0:
-        raise ValueError(f"set_activation_checkpointing found no module of {[c.__name__ for c in policy]} in the model; "
-                         "pass auto_wrap_policy with the model's layer class.")
+        raise ValueError(
+            "set_activation_checkpointing found no module of "
+            f"{[c.__name__ for c in policy]} in the model; pass auto_wrap_policy "
+            "with the model's layer class."
+        )
     return wrapped
 
 
 def _partial_forward(forward: Callable) -> Callable:
     def checkpointed(*args: Any, **kwargs: Any) -> Any:
         return _checkpointed_forward(forward, *args, **kwargs)
+
     return checkpointed
 
 # %% ../../nbs/76_memory.ipynb #9f285c4b
 class OffloadActivations:
-    """Context manager: keep the tensors saved for backward in pinned CPU memory while the forward pass runs on a GPU
-    (`torch.autograd.graph.save_on_cpu`). On a CPU device it does nothing and says why."""
+    """Context manager: keep the tensors saved for backward in pinned CPU memory while
+    the forward pass runs on a GPU (`torch.autograd.graph.save_on_cpu`). On a CPU device
+    it does nothing and says why.
+    """
 
     def __init__(self, device: torch.device, pin_memory: bool = True) -> None:
         self.device = torch.device(device)
@@ -174,9 +254,14 @@ class OffloadActivations:
             self._context = torch.autograd.graph.save_on_cpu(pin_memory=pin_memory)
         else:
             import warnings
-            warnings.warn(f"activation offloading moves activations from GPU to CPU memory; on device "
-                          f"{self.device.type} they already live in CPU memory, so offloading is skipped. "
-                          "Use enable_activation_checkpointing to save activation memory on CPU.", stacklevel=2)
+
+            warnings.warn(
+                "activation offloading moves activations from GPU to CPU "
+                f"memory; on device {self.device.type} they already live in CPU "
+                "memory, so offloading is skipped. Use "
+                "enable_activation_checkpointing to save activation memory on CPU.",
+                stacklevel=2,
+            )
 
     def __enter__(self) -> "OffloadActivations":
         if self._context is not None:
@@ -190,17 +275,29 @@ class OffloadActivations:
 # %% ../../nbs/76_memory.ipynb #b6e67e65
 def _check_compiler(backend: str) -> None:
     import shutil, os
-    if backend == "inductor" and not torch.cuda.is_available() and shutil.which(os.environ.get("CXX", "g++")) is None:
-        raise RuntimeError("compile=true on CPU needs a C++ compiler for torch.compile's inductor backend and none "
-                           "was found (g++ or $CXX); install one (apt install g++) or set compile=false.")
+
+    if (
+        backend == "inductor"
+        and not torch.cuda.is_available()
+        and shutil.which(os.environ.get("CXX", "g++")) is None
+    ):
+        raise RuntimeError(
+            "compile=true on CPU needs a C++ compiler for "
+            "torch.compile's inductor backend and none was found (g++ or $CXX); "
+            "install one (apt install g++) or set compile=false."
+        )
 
 
 def compile_model(model: nn.Module, backend: str = "inductor") -> nn.Module:
-    "Compile each decoder layer in place with `torch.compile` (one graph, reused by every layer); returns the model."
+    """Compile each decoder layer in place with `torch.compile` (one graph, reused by
+    every layer); returns the model.
+    """
     _check_compiler(backend)
     layers = getattr(model, "layers", None)
     if layers is None:
-        raise ValueError("compile_model expects a TransformerDecoder (a model with .layers).")
+        raise ValueError(
+            "compile_model expects a TransformerDecoder (a model with .layers)."
+        )
     for layer in layers:
         layer.compile(backend=backend)
     return model
@@ -213,7 +310,9 @@ def compile_loss(loss_fn: Callable, backend: str = "inductor") -> Callable:
 
 # %% ../../nbs/76_memory.ipynb #cb615f61
 class PeakMemory(TorchDispatchMode):
-    "Track the bytes of tensor storages created inside the context; `peak` is the most alive at once."
+    """Track the bytes of tensor storages created inside the context; `peak` is the most
+    alive at once.
+    """
 
     def __init__(self) -> None:
         super().__init__()
@@ -235,10 +334,18 @@ class PeakMemory(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
-                  if isinstance(t, torch.Tensor) and t.device.type != "meta"}
-        for value in tree_flatten(out)[0]:        # in-place results and views share an input's storage: not new
-            if isinstance(value, torch.Tensor) and value.device.type != "meta" and value.untyped_storage().data_ptr() not in inputs:
+        inputs = {
+            t.untyped_storage().data_ptr()
+            for t in tree_flatten((args, kwargs))[0]
+            if isinstance(t, torch.Tensor) and t.device.type != "meta"
+        }
+        # in-place results and views share an input's storage: not new
+        for value in tree_flatten(out)[0]:
+            if (
+                isinstance(value, torch.Tensor)
+                and value.device.type != "meta"
+                and value.untyped_storage().data_ptr() not in inputs
+            ):
                 self._track(value)
         return out
 
@@ -254,12 +361,21 @@ def _plain_tensors(tensors: Iterable[Any]) -> Iterable[torch.Tensor]:
 
 
 def _storage_bytes(tensors: Iterable[Any]) -> int:
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in _plain_tensors(tensors)}
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for t in _plain_tensors(tensors)
+    }
     return sum(storages.values())
 
 
-def measure_step_peak(step: Callable[[], Any], model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> int:
-    "Peak tensor bytes while `step()` runs: what lived before it (weights, buffers, optimizer states) + its own peak."
+def measure_step_peak(
+    step: Callable[[], Any],
+    model: nn.Module,
+    optimizer: Optional[torch.optim.Optimizer] = None,
+) -> int:
+    """Peak tensor bytes while `step()` runs: what lived before it (weights, buffers,
+    optimizer states) + its own peak.
+    """
     before = list(model.parameters()) + list(model.buffers())
     if optimizer is not None:
         before += [v for state in optimizer.state.values() for v in state.values()]

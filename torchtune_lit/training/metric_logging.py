@@ -17,15 +17,21 @@ def _require(package: str, logger: str):
     try:
         return __import__(package)
     except ImportError:
-        raise ImportError(f"{logger} needs the '{package}' package, which is not installed: pip install {package} "
-                          "(or remove metric_logger from the config; log.jsonl is always written).") from None
+        raise ImportError(
+            f"{logger} needs the '{package}' package, which is not "
+            f"installed: pip install {package} (or remove metric_logger from the "
+            "config; log.jsonl is always written)."
+        ) from None
 
 
 class StdoutLogger:
     "Print each step's metrics on one line."
 
     def log_dict(self, payload: dict[str, Any], step: int) -> None:
-        values = "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in payload.items())
+        values = "  ".join(
+            f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+            for k, v in payload.items()
+        )
         print(f"step {step}: {values}", file=sys.stdout, flush=True)
 
     def close(self) -> None:
@@ -38,6 +44,7 @@ class TensorBoardLogger:
     def __init__(self, log_dir: str) -> None:
         _require("tensorboard", "TensorBoardLogger")
         from torch.utils.tensorboard import SummaryWriter
+
         self.writer = SummaryWriter(log_dir=log_dir)
 
     def log_dict(self, payload: dict[str, Any], step: int) -> None:
@@ -50,7 +57,9 @@ class TensorBoardLogger:
 
 
 class WandBLogger:
-    "Weights & Biases run (needs the wandb package; WANDB_API_KEY from the environment, never logged)."
+    """Weights & Biases run (needs the wandb package; WANDB_API_KEY from the
+    environment, never logged).
+    """
 
     def __init__(self, project: str, **init_kwargs: Any) -> None:
         self.wandb = _require("wandb", "WandBLogger")
@@ -66,7 +75,9 @@ class WandBLogger:
 class MLFlowLogger:
     "MLflow run (needs the mlflow package)."
 
-    def __init__(self, experiment_name: Optional[str] = None, tracking_uri: Optional[str] = None) -> None:
+    def __init__(
+        self, experiment_name: Optional[str] = None, tracking_uri: Optional[str] = None
+    ) -> None:
         self.mlflow = _require("mlflow", "MLFlowLogger")
         if tracking_uri:
             self.mlflow.set_tracking_uri(tracking_uri)
@@ -75,16 +86,22 @@ class MLFlowLogger:
         self.mlflow.start_run()
 
     def log_dict(self, payload: dict[str, Any], step: int) -> None:
-        self.mlflow.log_metrics({k: v for k, v in payload.items() if isinstance(v, (int, float))}, step=step)
+        self.mlflow.log_metrics(
+            {k: v for k, v in payload.items() if isinstance(v, (int, float))}, step=step
+        )
 
     def close(self) -> None:
         self.mlflow.end_run()
 
 # %% ../../nbs/75_metric_logging.ipynb #46c4930f
 def get_memory_stats(device: Optional[torch.device] = None) -> dict[str, float]:
-    "Peak memory in GiB: the CUDA allocator's (active, reserved) on a GPU, the process's peak resident set on a CPU."
+    """Peak memory in GiB: the CUDA allocator's (active, reserved) on a GPU, the
+    process's peak resident set on a CPU.
+    """
     if device is not None and device.type == "cuda":
-        return {"peak_memory_active_gib": torch.cuda.max_memory_allocated(device) / 2**30,
-                "peak_memory_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30}
-    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss      # KiB on Linux
+        return {
+            "peak_memory_active_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+            "peak_memory_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30,
+        }
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
     return {"peak_rss_gib": peak_kib / 2**20}

@@ -25,8 +25,12 @@ def _finding(level: str, message: str, **numbers: Any) -> dict[str, Any]:
     return {"level": level, "message": message, **numbers}
 
 
-def data_findings(dataset: Any, tokenizer: Any, train_on_input: bool, max_samples: int = 2000) -> list[dict]:
-    "Token statistics, truncation, trained fraction, untrainable samples and prompt leaks of up to `max_samples` samples."
+def data_findings(
+    dataset: Any, tokenizer: Any, train_on_input: bool, max_samples: int = 2000
+) -> list[dict]:
+    """Token statistics, truncation, trained fraction, untrainable samples and prompt
+    leaks of up to `max_samples` samples.
+    """
     n = min(len(dataset), max_samples)
     lengths, trained, total, empty, leaked, truncated = [], 0, 0, 0, 0, 0
     transform = getattr(dataset, "_message_transform", None)
@@ -38,7 +42,11 @@ def data_findings(dataset: Any, tokenizer: Any, train_on_input: bool, max_sample
         lengths.append(len(sample["tokens"]))
         t = sum(l != CROSS_ENTROPY_IGNORE_IDX for l in labels)
         trained, total, empty = trained + t, total + len(labels), empty + (t == 0)
-        if transform is not None and rows is not None and hasattr(tokenizer, "tokenize_messages"):
+        if (
+            transform is not None
+            and rows is not None
+            and hasattr(tokenizer, "tokenize_messages")
+        ):
             messages = transform(rows[i])["messages"]
             if max_len is not None:
                 saved, tokenizer.max_seq_len = tokenizer.max_seq_len, None
@@ -46,169 +54,360 @@ def data_findings(dataset: Any, tokenizer: Any, train_on_input: bool, max_sample
                 tokenizer.max_seq_len = saved
                 truncated += len(full_tokens) > max_len
             if not train_on_input:
-                leaked += sum(1 for m in messages if m.role in ("user", "system") and not m.masked)
-    findings = [_finding("ok", f"{n} samples scanned; tokens per sample min {min(lengths)}, median "
-                               f"{statistics.median(lengths):.0f}, max {max(lengths)}", samples=n,
-                         min_tokens=min(lengths), median_tokens=statistics.median(lengths), max_tokens=max(lengths)),
-                _finding("ok", f"{trained / total:.1%} of positions are trained on", trained_fraction=trained / total)]
+                leaked += sum(
+                    1 for m in messages if m.role in ("user", "system") and not m.masked
+                )
+    findings = [
+        _finding(
+            "ok",
+            f"{n} samples scanned; tokens per sample min {min(lengths)}, median "
+            f"{statistics.median(lengths):.0f}, max {max(lengths)}",
+            samples=n,
+            min_tokens=min(lengths),
+            median_tokens=statistics.median(lengths),
+            max_tokens=max(lengths),
+        ),
+        _finding(
+            "ok",
+            f"{trained / total:.1%} of positions are trained on",
+            trained_fraction=trained / total,
+        ),
+    ]
     if truncated:
         level = "warn" if truncated / n > 0.05 else "ok"
-        findings.append(_finding(level, f"{truncated} samples ({truncated / n:.1%}) are longer than max_seq_len={max_len} "
-                                        "and get truncated; raise tokenizer.max_seq_len if answers are cut off",
-                                 truncated=truncated, truncated_fraction=truncated / n))
+        findings.append(
+            _finding(
+                level,
+                f"{truncated} samples ({truncated / n:.1%}) "
+                f"are longer than max_seq_len={max_len} and get truncated; raise "
+                "tokenizer.max_seq_len if answers are cut off",
+                truncated=truncated,
+                truncated_fraction=truncated / n,
+            )
+        )
     if empty:
-        findings.append(_finding("warn", f"{empty} samples have no token to train on; check train_on_input, max_seq_len "
-                                         "and the column_map", untrainable=empty))
+        findings.append(
+            _finding(
+                "warn",
+                f"{empty} samples have no token to train "
+                "on; check train_on_input, max_seq_len and the column_map",
+                untrainable=empty,
+            )
+        )
     if leaked:
-        findings.append(_finding("error", f"{leaked} user/system turns are trained on although train_on_input is false: "
-                                          "the message transform does not mask prompts; fix the transform (or set "
-                                          "train_on_input: true if that is intended)", leaked_turns=leaked))
+        findings.append(
+            _finding(
+                "error",
+                f"{leaked} user/system turns are trained "
+                "on although train_on_input is false: the message transform does not "
+                "mask prompts; fix the transform (or set train_on_input: true if that "
+                "is intended)",
+                leaked_turns=leaked,
+            )
+        )
     return findings
 
 
 # the Hugging Face model_type(s) each chat format was trained into
-FORMAT_FAMILIES = {"Llama3Format": ("llama",), "ChatMLFormat": ("qwen2",), "GemmaFormat": ("gemma", "gemma2"),
-                   "MistralFormat": ("mistral",)}
+FORMAT_FAMILIES = {
+    "Llama3Format": ("llama",),
+    "ChatMLFormat": ("qwen2",),
+    "GemmaFormat": ("gemma", "gemma2"),
+    "MistralFormat": ("mistral",),
+}
 
 
-def chat_format_findings(tokenizer: Any, embedding_rows: int, hf_config: Optional[dict]) -> list[dict]:
-    "The chat format's special tokens exist in the embedding, and the format belongs to the checkpoint's family."
+def chat_format_findings(
+    tokenizer: Any, embedding_rows: int, hf_config: Optional[dict]
+) -> list[dict]:
+    """The chat format's special tokens exist in the embedding, and the format belongs
+    to the checkpoint's family.
+    """
     chat_format = getattr(tokenizer, "chat_format", None)
     if chat_format is None:
         return []
     name = type(chat_format).__name__
     findings = []
-    beyond = {t: i for t, i in getattr(tokenizer, "special_tokens", {}).items() if i >= embedding_rows}
+    beyond = {
+        t: i
+        for t, i in getattr(tokenizer, "special_tokens", {}).items()
+        if i >= embedding_rows
+    }
     if beyond:
-        findings.append(_finding("error", f"special tokens {beyond} of {name} have ids beyond the embedding's "
-                                          f"{embedding_rows} rows; use the model's own tokenizer", special_ids=beyond))
+        findings.append(
+            _finding(
+                "error",
+                f"special tokens {beyond} of {name} have ids beyond the embedding's "
+                f"{embedding_rows} rows; use the model's own tokenizer",
+                special_ids=beyond,
+            )
+        )
     model_type = (hf_config or {}).get("model_type")
     families = FORMAT_FAMILIES.get(name)
     if model_type and families and model_type not in families:
         used = sorted(getattr(tokenizer, "special_tokens", {}))
-        findings.append(_finding("error", f"the chat format {name} belongs to {'/'.join(families)} models but the "
-                                          f"checkpoint's config.json says model_type {model_type!r}: the model never "
-                                          f"learned {used[:3]}; use the tokenizer component of the model's family",
-                                 chat_format=name, model_type=model_type))
+        findings.append(
+            _finding(
+                "error",
+                f"the chat format {name} belongs to {'/'.join(families)} models but "
+                f"the checkpoint's config.json says model_type {model_type!r}: the "
+                f"model never learned {used[:3]}; use the tokenizer component of the "
+                "model's family",
+                chat_format=name,
+                model_type=model_type,
+            )
+        )
     elif model_type and families:
-        findings.append(_finding("ok", f"chat format {name} matches the checkpoint's model_type {model_type!r}"))
+        findings.append(
+            _finding(
+                "ok",
+                f"chat format {name} matches the checkpoint's "
+                f"model_type {model_type!r}",
+            )
+        )
     return findings
 
 
-def tokenizer_findings(tokenizer: Any, model: torch.nn.Module, hf_config: Optional[dict]) -> list[dict]:
+def tokenizer_findings(
+    tokenizer: Any, model: torch.nn.Module, hf_config: Optional[dict]
+) -> list[dict]:
     "Vocabulary vs embedding rows, and BOS/EOS ids vs the checkpoint's config.json."
     rows = model.tok_embeddings.num_embeddings
     vocab = tokenizer.vocab_size
     findings = []
     if vocab > rows:
-        findings.append(_finding("error", f"the tokenizer has {vocab} tokens but the model's embedding has {rows} rows: "
-                                          f"ids >= {rows} would fail or read garbage; use the model's own tokenizer",
-                                 tokenizer_vocab=vocab, embedding_rows=rows))
+        findings.append(
+            _finding(
+                "error",
+                f"the tokenizer has {vocab} tokens but the "
+                f"model's embedding has {rows} rows: ids >= {rows} would fail or read "
+                "garbage; use the model's own tokenizer",
+                tokenizer_vocab=vocab,
+                embedding_rows=rows,
+            )
+        )
     else:
-        findings.append(_finding("ok", f"tokenizer vocabulary {vocab} fits the embedding ({rows} rows)",
-                                 tokenizer_vocab=vocab, embedding_rows=rows))
+        findings.append(
+            _finding(
+                "ok",
+                f"tokenizer vocabulary {vocab} fits the embedding ({rows} rows)",
+                tokenizer_vocab=vocab,
+                embedding_rows=rows,
+            )
+        )
     findings += chat_format_findings(tokenizer, rows, hf_config)
     for name in ("bos", "eos"):
         ours = getattr(tokenizer, f"{name}_id", None)
         theirs = (hf_config or {}).get(f"{name}_token_id")
-        theirs = theirs if isinstance(theirs, list) else [theirs] if theirs is not None else []
+        theirs = (
+            theirs
+            if isinstance(theirs, list)
+            else [theirs]
+            if theirs is not None
+            else []
+        )
         if ours is not None and theirs and ours not in theirs:
-            findings.append(_finding("warn", f"tokenizer {name.upper()} id {ours} is not the checkpoint's {name}_token_id "
-                                             f"{theirs}: the tokenizer (or its chat format) may belong to another model "
-                                             "family", **{f"tokenizer_{name}_id": ours}))
+            findings.append(
+                _finding(
+                    "warn",
+                    f"tokenizer {name.upper()} id {ours} is "
+                    f"not the checkpoint's {name}_token_id {theirs}: the tokenizer (or "
+                    "its chat format) may belong to another model family",
+                    **{f"tokenizer_{name}_id": ours},
+                )
+            )
     return findings
 
 
-def checkpoint_findings(model: torch.nn.Module, state_dict: dict, allowed_missing: set) -> list[dict]:
-    "Missing (besides adapters), unexpected and mis-shaped keys of a checkpoint against the model."
+def checkpoint_findings(
+    model: torch.nn.Module, state_dict: dict, allowed_missing: set
+) -> list[dict]:
+    """Missing (besides adapters), unexpected and mis-shaped keys of a checkpoint
+    against the model.
+    """
     expected = model.state_dict()
-    missing = sorted(k for k in expected.keys() - state_dict.keys() if k not in allowed_missing)
+    missing = sorted(
+        k for k in expected.keys() - state_dict.keys() if k not in allowed_missing
+    )
     unexpected = sorted(state_dict.keys() - expected.keys())
-    mismatched = sorted(k for k in expected.keys() & state_dict.keys() if tuple(expected[k].shape) != tuple(state_dict[k].shape))
+    mismatched = sorted(
+        k
+        for k in expected.keys() & state_dict.keys()
+        if tuple(expected[k].shape) != tuple(state_dict[k].shape)
+    )
     findings = []
-    for label, keys in (("missing", missing), ("unexpected", unexpected), ("shape-mismatched", mismatched)):
+    for label, keys in (
+        ("missing", missing),
+        ("unexpected", unexpected),
+        ("shape-mismatched", mismatched),
+    ):
         if keys:
-            findings.append(_finding("error", f"{len(keys)} {label} checkpoint keys, e.g. {keys[:3]}: the model would "
-                                              "train with these weights wrong; check the builder against config.json",
-                                     **{f"{label}_keys": keys[:20]}))
+            findings.append(
+                _finding(
+                    "error",
+                    f"{len(keys)} {label} checkpoint keys, "
+                    f"e.g. {keys[:3]}: the model would train with these weights wrong; "
+                    "check the builder against config.json",
+                    **{f"{label}_keys": keys[:20]},
+                )
+            )
     if not findings:
-        dtypes = sorted({str(v.dtype).replace("torch.", "") for v in state_dict.values()}) or ["(no weights: from scratch)"]
-        findings.append(_finding("ok", f"all {len(state_dict)} checkpoint tensors match the model; dtype {', '.join(dtypes)}"))
+        dtypes = sorted(
+            {str(v.dtype).replace("torch.", "") for v in state_dict.values()}
+        ) or ["(no weights: from scratch)"]
+        findings.append(
+            _finding(
+                "ok",
+                f"all {len(state_dict)} checkpoint tensors "
+                f"match the model; dtype {', '.join(dtypes)}",
+            )
+        )
     return findings
 
 
-def optimisation_findings(cfg: DictConfig, model: torch.nn.Module, median_trained_tokens: float, world_size: int = 1) -> list[dict]:
+def optimisation_findings(
+    cfg: DictConfig,
+    model: torch.nn.Module,
+    median_trained_tokens: float,
+    world_size: int = 1,
+) -> list[dict]:
     "Trainable parameters, effective batch, learning rate and schedule."
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     effective = cfg.batch_size * cfg.get("gradient_accumulation_steps", 1) * world_size
-    schedule = cfg.lr_scheduler._component_.rsplit(".", 1)[-1] if cfg.get("lr_scheduler") else "constant"
-    return [_finding("ok", f"{trainable:,} of {total:,} parameters trainable ({trainable / total:.2%})",
-                     trainable=trainable, total=total),
-            _finding("ok", f"effective batch {effective} samples (~{effective * median_trained_tokens:,.0f} trained tokens) "
-                           f"per optimizer step; lr {cfg.optimizer.get('lr')} with {schedule}", effective_batch=effective)]
+    schedule = (
+        cfg.lr_scheduler._component_.rsplit(".", 1)[-1]
+        if cfg.get("lr_scheduler")
+        else "constant"
+    )
+    return [
+        _finding(
+            "ok",
+            f"{trainable:,} of {total:,} parameters trainable "
+            f"({trainable / total:.2%})",
+            trainable=trainable,
+            total=total,
+        ),
+        _finding(
+            "ok",
+            f"effective batch {effective} samples "
+            f"(~{effective * median_trained_tokens:,.0f} trained tokens) per "
+            f"optimizer step; lr {cfg.optimizer.get('lr')} with {schedule}",
+            effective_batch=effective,
+        ),
+    ]
 
 
 def _device_memory(device: torch.device) -> tuple[Optional[int], str]:
     "(bytes available for training, what they are) on `device`."
     import os
+
     if device.type == "cuda" and torch.cuda.is_available():
-        return torch.cuda.get_device_properties(device).total_memory, f"{torch.cuda.get_device_name(device)} memory"
+        return torch.cuda.get_device_properties(
+            device
+        ).total_memory, f"{torch.cuda.get_device_name(device)} memory"
     try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's RAM"
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf(
+            "SC_PHYS_PAGES"
+        ), "this machine's RAM"
     except (ValueError, OSError, AttributeError):
         return None, "unknown"
 
 
-def memory_findings(cfg: DictConfig, model: torch.nn.Module, max_tokens_per_sample: int, world_size: int = 1,
-                    sequences_per_sample: int = 1) -> list[dict]:
-    """The memory planner's peak for this config (the longest sample seen sets the padded length), against the device.
-    `sequences_per_sample`: 2 for preference pairs (chosen and rejected run in one batch)."""
+def memory_findings(
+    cfg: DictConfig,
+    model: torch.nn.Module,
+    max_tokens_per_sample: int,
+    world_size: int = 1,
+    sequences_per_sample: int = 1,
+) -> list[dict]:
+    """The memory planner's peak for this config (the longest sample seen sets the
+    padded length), against the device. `sequences_per_sample`: 2 for preference pairs
+    (chosen and rejected run in one batch).
+    """
     from torchtune_lit.training.memory import estimate_training_memory
     from torchtune_lit.training._utils import DTYPES
+
     seq_len = max_tokens_per_sample
     if cfg.dataset.get("packed", False) and cfg.tokenizer.get("max_seq_len"):
         seq_len = cfg.tokenizer.max_seq_len
     checkpointing = bool(cfg.get("enable_activation_checkpointing", False))
-    estimate = estimate_training_memory(model, cfg.batch_size * sequences_per_sample, seq_len, DTYPES.get(cfg.get("dtype", "fp32"), torch.float32),
-                                        activation_checkpointing=checkpointing)
-    if world_size > 1:                      # FSDP2: each process holds 1/world_size of these three
+    estimate = estimate_training_memory(
+        model,
+        cfg.batch_size * sequences_per_sample,
+        seq_len,
+        DTYPES.get(cfg.get("dtype", "fp32"), torch.float32),
+        activation_checkpointing=checkpointing,
+    )
+    # FSDP2: each process holds 1/world_size of these three
+    if world_size > 1:
         estimate.weights /= world_size
         estimate.gradients /= world_size
         estimate.optimizer_states /= world_size
     device = torch.device(cfg.get("device", "cpu"))
     available, what = _device_memory(device)
-    numbers = {"predicted_bytes": estimate.total, "largest_term": estimate.largest, "available_bytes": available,
-               "weights": estimate.weights, "gradients": estimate.gradients, "optimizer_states": estimate.optimizer_states,
-               "activations": estimate.activations, "loss": estimate.loss}
-    message = f"{estimate.summary()} (batch {cfg.batch_size * sequences_per_sample} x {seq_len} tokens)"
+    numbers = {
+        "predicted_bytes": estimate.total,
+        "largest_term": estimate.largest,
+        "available_bytes": available,
+        "weights": estimate.weights,
+        "gradients": estimate.gradients,
+        "optimizer_states": estimate.optimizer_states,
+        "activations": estimate.activations,
+        "loss": estimate.loss,
+    }
+    rows = cfg.batch_size * sequences_per_sample
+    message = f"{estimate.summary()} (batch {rows} x {seq_len} tokens)"
     if world_size > 1:
-        message += f"; per process, with weights, gradients and optimizer states sharded over {world_size}"
+        message += (
+            "; per process, with weights, gradients and optimizer states sharded "
+            f"over {world_size}"
+        )
     if available is not None and estimate.total > 0.9 * available:
         fixes = [] if checkpointing else ["enable_activation_checkpointing=true"]
-        fixes += ["a smaller batch_size with more gradient_accumulation_steps", "LoRA or QLoRA", "dtype=bf16"]
-        return [_finding("warn", f"{message} is more than 90% of {what} ({available / 2**30:.1f} GiB): it will likely run "
-                                 f"out of memory; try {', '.join(fixes)}", **numbers)]
+        fixes += [
+            "a smaller batch_size with more gradient_accumulation_steps",
+            "LoRA or QLoRA",
+            "dtype=bf16",
+        ]
+        return [
+            _finding(
+                "warn",
+                f"{message} is more than 90% of {what} "
+                f"({available / 2**30:.1f} GiB): it will likely run out of memory; try "
+                f"{', '.join(fixes)}",
+                **numbers,
+            )
+        ]
     return [_finding("ok", message, **numbers)]
 
 
 def check_first_loss(loss: float, vocab_size: int, pretrained: bool) -> Optional[str]:
-    "A warning when a pretrained model's first loss is far above ln(vocab) (a fresh output layer's loss), else None."
+    """A warning when a pretrained model's first loss is far above ln(vocab) (a fresh
+    output layer's loss), else None.
+    """
     if pretrained and loss > 1.5 * math.log(vocab_size):
-        return (f"first loss {loss:.2f} is far above ln(vocab) = {math.log(vocab_size):.2f}, the loss of an untrained "
-                "output layer: a wrong checkpoint key map, tokenizer or chat format would look like this")
+        return (
+            f"first loss {loss:.2f} is far above ln(vocab) = "
+            f"{math.log(vocab_size):.2f}, the loss of an untrained output layer: a "
+            "wrong checkpoint key map, tokenizer or chat format would look like this"
+        )
     return None
 
 # %% ../../nbs/74_preflight.ipynb #075249af
 class ChosenView:
-    """A preference dataset seen through its chosen answers — `{"tokens", "labels"}` samples and a message transform
-    returning the chosen conversation — so the data checks (lengths, trained fraction, prompt leaks) apply to DPO."""
+    """A preference dataset seen through its chosen answers — `{"tokens", "labels"}`
+    samples and a message transform returning the chosen conversation — so the data
+    checks (lengths, trained fraction, prompt leaks) apply to DPO.
+    """
 
     def __init__(self, dataset: Any) -> None:
         self._dataset = dataset
         self._rows = getattr(dataset, "_rows", None)
         transform = getattr(dataset, "_message_transform", None)
-        self._message_transform = (lambda row: {"messages": transform(row)["chosen"]}) if transform else None
+        self._message_transform = (
+            (lambda row: {"messages": transform(row)["chosen"]}) if transform else None
+        )
 
     def __len__(self) -> int:
         return len(self._dataset)
@@ -218,34 +417,76 @@ class ChosenView:
         return {"tokens": sample["chosen_input_ids"], "labels": sample["chosen_labels"]}
 
 
-def preflight_report(cfg: DictConfig, model: Optional[torch.nn.Module] = None, tokenizer: Any = None, dataset: Any = None,
-                     state_dict: Optional[dict] = None, max_samples: int = 2000, world_size: int = 1) -> dict[str, list[dict]]:
-    """The report for `cfg`; objects a recipe already built can be passed in (a model on the meta device works: only
-    shapes are read), the rest are built here. `world_size`: the processes FSDP2 shards over."""
+def preflight_report(
+    cfg: DictConfig,
+    model: Optional[torch.nn.Module] = None,
+    tokenizer: Any = None,
+    dataset: Any = None,
+    state_dict: Optional[dict] = None,
+    max_samples: int = 2000,
+    world_size: int = 1,
+) -> dict[str, list[dict]]:
+    """The report for `cfg`; objects a recipe already built can be passed in (a model on
+    the meta device works: only shapes are read), the rest are built here. `world_size`:
+    the processes FSDP2 shards over.
+    """
     tokenizer = tokenizer or config.instantiate(cfg.tokenizer)
-    dataset = dataset if dataset is not None else config.instantiate(cfg.dataset, tokenizer)
+    dataset = (
+        dataset if dataset is not None else config.instantiate(cfg.dataset, tokenizer)
+    )
     checkpointer = config.instantiate(cfg.checkpointer)
     if model is None:
         model = config.instantiate(cfg.model)
-        adapter_names = {n for n, _ in model.named_parameters() if ".lora_" in n or n.endswith(".magnitude")}
+        adapter_names = {
+            n
+            for n, _ in model.named_parameters()
+            if ".lora_" in n or n.endswith(".magnitude")
+        }
         if adapter_names:  # as the LoRA recipes do: only the adapters train
             for name, param in model.named_parameters():
                 if param.requires_grad != (name in adapter_names):
                     param.requires_grad_(name in adapter_names)
     if state_dict is None:
         state_dict = checkpointer.load_checkpoint()["model"]
-    adapters = {n for n, _ in model.named_parameters() if ".lora_" in n or n.endswith(".magnitude")}
-    from_scratch = cfg.checkpointer.get("checkpoint_files", None) is not None and len(cfg.checkpointer.checkpoint_files) == 0
-    data = data_findings(dataset, tokenizer, cfg.dataset.get("train_on_input", False), max_samples)
+    adapters = {
+        n
+        for n, _ in model.named_parameters()
+        if ".lora_" in n or n.endswith(".magnitude")
+    }
+    from_scratch = (
+        cfg.checkpointer.get("checkpoint_files", None) is not None
+        and len(cfg.checkpointer.checkpoint_files) == 0
+    )
+    data = data_findings(
+        dataset, tokenizer, cfg.dataset.get("train_on_input", False), max_samples
+    )
     median_trained = data[0]["median_tokens"] * data[1]["trained_fraction"]
-    return {"data": data,
-            "tokenizer vs model": tokenizer_findings(tokenizer, model, getattr(checkpointer, "config", None)),
-            "checkpoint": (checkpoint_findings(model, state_dict, adapters) if state_dict or not from_scratch else
-                           [_finding("ok", "checkpoint_files: [] -- training from the model's initialisation, as asked "
-                                           "(no weights are loaded)")]),
-            "optimisation": optimisation_findings(cfg, model, median_trained, world_size),
-            "memory": memory_findings(cfg, model, data[0]["max_tokens"], world_size,
-                                      sequences_per_sample=2 if isinstance(dataset, ChosenView) else 1)}
+    return {
+        "data": data,
+        "tokenizer vs model": tokenizer_findings(
+            tokenizer, model, getattr(checkpointer, "config", None)
+        ),
+        "checkpoint": (
+            checkpoint_findings(model, state_dict, adapters)
+            if state_dict or not from_scratch
+            else [
+                _finding(
+                    "ok",
+                    "checkpoint_files: [] -- training from "
+                    "the model's initialisation, as asked (no weights are "
+                    "loaded)",
+                )
+            ]
+        ),
+        "optimisation": optimisation_findings(cfg, model, median_trained, world_size),
+        "memory": memory_findings(
+            cfg,
+            model,
+            data[0]["max_tokens"],
+            world_size,
+            sequences_per_sample=2 if isinstance(dataset, ChosenView) else 1,
+        ),
+    }
 
 
 def format_report(report: dict[str, list[dict]]) -> str:
@@ -256,7 +497,11 @@ def format_report(report: dict[str, list[dict]]) -> str:
         lines.append(f"[{section}]")
         lines += [f"  {marks[f['level']]} {f['message']}" for f in findings]
     problems = [f for fs in report.values() for f in fs if f["level"] != "ok"]
-    lines.append(f"{len(problems)} finding(s) to look at." if problems else "Nothing suspicious found.")
+    lines.append(
+        f"{len(problems)} finding(s) to look at."
+        if problems
+        else "Nothing suspicious found."
+    )
     return "\n".join(lines)
 
 

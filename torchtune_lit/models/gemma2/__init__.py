@@ -17,43 +17,102 @@ from ...modules.position_embeddings import RotaryPositionalEmbeddings
 from ...modules.transformer import TransformerDecoder
 
 # %% ../../../nbs/27_gemma2.ipynb #e03a44c3
-def gemma2(vocab_size: int, num_layers: int, num_heads: int, head_dim: int, num_kv_heads: int, embed_dim: int,
-           intermediate_dim: int, max_seq_len: int, attn_dropout: float = 0.0, norm_eps: float = 1e-6,
-           rope_base: int = 10_000, hidden_capping_value: Optional[float] = 50.0,
-           final_capping_value: Optional[float] = 30.0, sliding_window_size: Optional[int] = 4096,
-           query_pre_attn_scalar: Optional[int] = None) -> TransformerDecoder:
-    "A Gemma 2 decoder (torchtune's `gemma2` arguments); even-numbered layers use the sliding window."
+def gemma2(
+    vocab_size: int,
+    num_layers: int,
+    num_heads: int,
+    head_dim: int,
+    num_kv_heads: int,
+    embed_dim: int,
+    intermediate_dim: int,
+    max_seq_len: int,
+    attn_dropout: float = 0.0,
+    norm_eps: float = 1e-6,
+    rope_base: int = 10_000,
+    hidden_capping_value: Optional[float] = 50.0,
+    final_capping_value: Optional[float] = 30.0,
+    sliding_window_size: Optional[int] = 4096,
+    query_pre_attn_scalar: Optional[int] = None,
+) -> TransformerDecoder:
+    """A Gemma 2 decoder (torchtune's `gemma2` arguments); even-numbered layers use the
+    sliding window.
+    """
     return build_decoder(
-        vocab_size=vocab_size, num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
-        embed_dim=embed_dim, intermediate_dim=intermediate_dim, max_seq_len=max_seq_len, head_dim=head_dim,
-        norm_eps=norm_eps, norm="gemma", post_norms=True, attn_dropout=attn_dropout,
-        mlp_activation=nn.GELU(approximate="tanh"), tie_word_embeddings=True,
-        attn_scale=(query_pre_attn_scalar or head_dim) ** -0.5, attn_softcapping=hidden_capping_value,
-        sliding_window=sliding_window_size, sliding_layers=range(0, num_layers, 2),
-        embed_scale=math.sqrt(embed_dim), final_logit_softcapping=final_capping_value,
-        rope=RotaryPositionalEmbeddings(dim=head_dim, max_seq_len=max_seq_len, base=rope_base))
+        vocab_size=vocab_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        embed_dim=embed_dim,
+        intermediate_dim=intermediate_dim,
+        max_seq_len=max_seq_len,
+        head_dim=head_dim,
+        norm_eps=norm_eps,
+        norm="gemma",
+        post_norms=True,
+        attn_dropout=attn_dropout,
+        mlp_activation=nn.GELU(approximate="tanh"),
+        tie_word_embeddings=True,
+        attn_scale=(query_pre_attn_scalar or head_dim) ** -0.5,
+        attn_softcapping=hidden_capping_value,
+        sliding_window=sliding_window_size,
+        sliding_layers=range(0, num_layers, 2),
+        embed_scale=math.sqrt(embed_dim),
+        final_logit_softcapping=final_capping_value,
+        rope=RotaryPositionalEmbeddings(
+            dim=head_dim, max_seq_len=max_seq_len, base=rope_base
+        ),
+    )
 
 
 def gemma2_2b() -> TransformerDecoder:
     "gemma-2-2b(-it)."
-    return gemma2(vocab_size=256_000, num_layers=26, num_heads=8, head_dim=256, num_kv_heads=4, embed_dim=2304,
-                  intermediate_dim=9216, max_seq_len=8192, query_pre_attn_scalar=256)
+    return gemma2(
+        vocab_size=256_000,
+        num_layers=26,
+        num_heads=8,
+        head_dim=256,
+        num_kv_heads=4,
+        embed_dim=2304,
+        intermediate_dim=9216,
+        max_seq_len=8192,
+        query_pre_attn_scalar=256,
+    )
 
 
 def gemma2_9b() -> TransformerDecoder:
     "gemma-2-9b(-it)."
-    return gemma2(vocab_size=256_000, num_layers=42, num_heads=16, head_dim=256, num_kv_heads=8, embed_dim=3584,
-                  intermediate_dim=14_336, max_seq_len=8192, query_pre_attn_scalar=256)
+    return gemma2(
+        vocab_size=256_000,
+        num_layers=42,
+        num_heads=16,
+        head_dim=256,
+        num_kv_heads=8,
+        embed_dim=3584,
+        intermediate_dim=14_336,
+        max_seq_len=8192,
+        query_pre_attn_scalar=256,
+    )
 
 
 def gemma2_27b() -> TransformerDecoder:
     "gemma-2-27b(-it)."
-    return gemma2(vocab_size=256_000, num_layers=46, num_heads=32, head_dim=128, num_kv_heads=16, embed_dim=4608,
-                  intermediate_dim=36_864, max_seq_len=8192, query_pre_attn_scalar=144)
+    return gemma2(
+        vocab_size=256_000,
+        num_layers=46,
+        num_heads=32,
+        head_dim=128,
+        num_kv_heads=16,
+        embed_dim=4608,
+        intermediate_dim=36_864,
+        max_seq_len=8192,
+        query_pre_attn_scalar=144,
+    )
 
 # %% ../../../nbs/27_gemma2.ipynb #8866ae1b
 from ...modules.peft import lora_builder
-from ...tokenizers._chat import gemma_tokenizer  # the family's tokenizer (chat formats chapter)
+
+# the family's tokenizer (chat formats chapter)
+from ...tokenizers._chat import gemma_tokenizer
 
 lora_gemma2 = lora_builder(gemma2, "lora_gemma2")
 lora_gemma2_2b = lora_builder(gemma2_2b, "lora_gemma2_2b")

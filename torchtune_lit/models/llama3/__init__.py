@@ -15,7 +15,9 @@ from ...modules.transformer import TransformerDecoder
 
 # %% ../../../nbs/21_llama3.ipynb #91aa1201
 def scale_hidden_dim_for_mlp(dim: int, multiple_of: int = 256) -> int:
-    "Llama's default MLP width: 2/3 of 4*dim, rounded up to a multiple of `multiple_of`."
+    """Llama's default MLP width: 2/3 of 4*dim, rounded up to a multiple of
+    `multiple_of`.
+    """
     hidden = int(2 * (4 * dim) / 3)
     return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
 
@@ -25,31 +27,72 @@ def llama3_mlp(dim: int, hidden_dim: int):
     return build_mlp(dim, hidden_dim)
 
 
-def llama3(vocab_size: int, num_layers: int, num_heads: int, num_kv_heads: int, embed_dim: int,
-           max_seq_len: int, attn_dropout: float = 0.0, rope_base: int = 500_000,
-           intermediate_dim: Optional[int] = None, norm_eps: float = 1e-5) -> TransformerDecoder:
-    "A Llama 3 decoder (torchtune's `llama3` arguments); `intermediate_dim` defaults to Llama's 2/3*4d rule."
+def llama3(
+    vocab_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    embed_dim: int,
+    max_seq_len: int,
+    attn_dropout: float = 0.0,
+    rope_base: int = 500_000,
+    intermediate_dim: Optional[int] = None,
+    norm_eps: float = 1e-5,
+) -> TransformerDecoder:
+    """A Llama 3 decoder (torchtune's `llama3` arguments); `intermediate_dim` defaults
+    to Llama's 2/3*4d rule.
+    """
     head_dim = embed_dim // num_heads
-    return build_decoder(vocab_size=vocab_size, num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                         embed_dim=embed_dim, intermediate_dim=intermediate_dim or scale_hidden_dim_for_mlp(embed_dim),
-                         max_seq_len=max_seq_len, norm_eps=norm_eps, attn_dropout=attn_dropout,
-                         rope=RotaryPositionalEmbeddings(dim=head_dim, max_seq_len=max_seq_len, base=rope_base))
+    return build_decoder(
+        vocab_size=vocab_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        embed_dim=embed_dim,
+        intermediate_dim=intermediate_dim or scale_hidden_dim_for_mlp(embed_dim),
+        max_seq_len=max_seq_len,
+        norm_eps=norm_eps,
+        attn_dropout=attn_dropout,
+        rope=RotaryPositionalEmbeddings(
+            dim=head_dim, max_seq_len=max_seq_len, base=rope_base
+        ),
+    )
 
 
 def llama3_8b() -> TransformerDecoder:
     "Meta-Llama-3-8B(-Instruct)."
-    return llama3(vocab_size=128_256, num_layers=32, num_heads=32, num_kv_heads=8, embed_dim=4096,
-                  max_seq_len=8192, intermediate_dim=14_336, rope_base=500_000, norm_eps=1e-5)
+    return llama3(
+        vocab_size=128_256,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        embed_dim=4096,
+        max_seq_len=8192,
+        intermediate_dim=14_336,
+        rope_base=500_000,
+        norm_eps=1e-5,
+    )
 
 
 def llama3_70b() -> TransformerDecoder:
     "Meta-Llama-3-70B(-Instruct)."
-    return llama3(vocab_size=128_256, num_layers=80, num_heads=64, num_kv_heads=8, embed_dim=8192,
-                  max_seq_len=8192, intermediate_dim=28_672, rope_base=500_000, norm_eps=1e-5)
+    return llama3(
+        vocab_size=128_256,
+        num_layers=80,
+        num_heads=64,
+        num_kv_heads=8,
+        embed_dim=8192,
+        max_seq_len=8192,
+        intermediate_dim=28_672,
+        rope_base=500_000,
+        norm_eps=1e-5,
+    )
 
 # %% ../../../nbs/21_llama3.ipynb #45578e35
 from ...modules.peft import lora_builder
-from ...tokenizers._chat import llama3_tokenizer  # the family's tokenizer (chat formats chapter)
+
+# the family's tokenizer (chat formats chapter)
+from ...tokenizers._chat import llama3_tokenizer
 
 lora_llama3 = lora_builder(llama3, "lora_llama3")
 lora_llama3_8b = lora_builder(llama3_8b, "lora_llama3_8b")

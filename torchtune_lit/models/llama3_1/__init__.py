@@ -15,47 +15,103 @@ from ...modules.position_embeddings import Llama3ScaledRoPE
 from ...modules.transformer import TransformerDecoder
 
 # %% ../../../nbs/22_llama3_1.ipynb #cd83eccb
-def llama3_1(vocab_size: int, num_layers: int, num_heads: int, num_kv_heads: int, embed_dim: int,
-             max_seq_len: int, attn_dropout: float = 0.0, rope_base: int = 500_000,
-             intermediate_dim: Optional[int] = None, norm_eps: float = 1e-5, scale_factor: float = 8.0,
-             low_freq_factor: float = 1.0, high_freq_factor: float = 4.0, old_context_len: int = 8192,
-             tie_word_embeddings: bool = False) -> TransformerDecoder:
-    "A Llama 3.1 decoder: Llama 3 with `Llama3ScaledRoPE` (torchtune's `llama3_1` arguments)."
+def llama3_1(
+    vocab_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    embed_dim: int,
+    max_seq_len: int,
+    attn_dropout: float = 0.0,
+    rope_base: int = 500_000,
+    intermediate_dim: Optional[int] = None,
+    norm_eps: float = 1e-5,
+    scale_factor: float = 8.0,
+    low_freq_factor: float = 1.0,
+    high_freq_factor: float = 4.0,
+    old_context_len: int = 8192,
+    tie_word_embeddings: bool = False,
+) -> TransformerDecoder:
+    """A Llama 3.1 decoder: Llama 3 with `Llama3ScaledRoPE` (torchtune's `llama3_1`
+    arguments).
+    """
     head_dim = embed_dim // num_heads
-    rope = Llama3ScaledRoPE(dim=head_dim, max_seq_len=max_seq_len, base=rope_base, scale_factor=scale_factor,
-                            low_freq_factor=low_freq_factor, high_freq_factor=high_freq_factor,
-                            old_context_len=old_context_len)
-    return build_decoder(vocab_size=vocab_size, num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                         embed_dim=embed_dim, intermediate_dim=intermediate_dim or scale_hidden_dim_for_mlp(embed_dim),
-                         max_seq_len=max_seq_len, norm_eps=norm_eps, attn_dropout=attn_dropout, rope=rope,
-                         tie_word_embeddings=tie_word_embeddings)
+    rope = Llama3ScaledRoPE(
+        dim=head_dim,
+        max_seq_len=max_seq_len,
+        base=rope_base,
+        scale_factor=scale_factor,
+        low_freq_factor=low_freq_factor,
+        high_freq_factor=high_freq_factor,
+        old_context_len=old_context_len,
+    )
+    return build_decoder(
+        vocab_size=vocab_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        embed_dim=embed_dim,
+        intermediate_dim=intermediate_dim or scale_hidden_dim_for_mlp(embed_dim),
+        max_seq_len=max_seq_len,
+        norm_eps=norm_eps,
+        attn_dropout=attn_dropout,
+        rope=rope,
+        tie_word_embeddings=tie_word_embeddings,
+    )
 
 
 def llama3_1_8b() -> TransformerDecoder:
     "Llama-3.1-8B(-Instruct)."
-    return llama3_1(vocab_size=128_256, num_layers=32, num_heads=32, num_kv_heads=8, embed_dim=4096,
-                    max_seq_len=131_072, intermediate_dim=14_336)
+    return llama3_1(
+        vocab_size=128_256,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        embed_dim=4096,
+        max_seq_len=131_072,
+        intermediate_dim=14_336,
+    )
 
 
 def llama3_1_70b() -> TransformerDecoder:
     "Llama-3.1-70B(-Instruct)."
-    return llama3_1(vocab_size=128_256, num_layers=80, num_heads=64, num_kv_heads=8, embed_dim=8192,
-                    max_seq_len=131_072, intermediate_dim=28_672)
+    return llama3_1(
+        vocab_size=128_256,
+        num_layers=80,
+        num_heads=64,
+        num_kv_heads=8,
+        embed_dim=8192,
+        max_seq_len=131_072,
+        intermediate_dim=28_672,
+    )
 
 
 def llama3_1_405b() -> TransformerDecoder:
     "Llama-3.1-405B(-Instruct)."
-    return llama3_1(vocab_size=128_256, num_layers=126, num_heads=128, num_kv_heads=8, embed_dim=16_384,
-                    max_seq_len=131_072, intermediate_dim=53_248)
+    return llama3_1(
+        vocab_size=128_256,
+        num_layers=126,
+        num_heads=128,
+        num_kv_heads=8,
+        embed_dim=16_384,
+        max_seq_len=131_072,
+        intermediate_dim=53_248,
+    )
 
 # %% ../../../nbs/22_llama3_1.ipynb #4d4a0887
 from ...modules.peft import lora_builder
-from ...tokenizers._chat import llama3_tokenizer  # the family's tokenizer (chat formats chapter)
+
+# the family's tokenizer (chat formats chapter)
+from ...tokenizers._chat import llama3_tokenizer
 
 lora_llama3_1 = lora_builder(llama3_1, "lora_llama3_1")
 lora_llama3_1_8b = lora_builder(llama3_1_8b, "lora_llama3_1_8b")
 qlora_llama3_1_8b = lora_builder(llama3_1_8b, "qlora_llama3_1_8b", quantize_base=True)
 lora_llama3_1_70b = lora_builder(llama3_1_70b, "lora_llama3_1_70b")
-qlora_llama3_1_70b = lora_builder(llama3_1_70b, "qlora_llama3_1_70b", quantize_base=True)
+qlora_llama3_1_70b = lora_builder(
+    llama3_1_70b, "qlora_llama3_1_70b", quantize_base=True
+)
 lora_llama3_1_405b = lora_builder(llama3_1_405b, "lora_llama3_1_405b")
-qlora_llama3_1_405b = lora_builder(llama3_1_405b, "qlora_llama3_1_405b", quantize_base=True)
+qlora_llama3_1_405b = lora_builder(
+    llama3_1_405b, "qlora_llama3_1_405b", quantize_base=True
+)

@@ -13,31 +13,69 @@ from ..llama3_1 import llama3_1
 from ...modules.transformer import TransformerDecoder
 
 # %% ../../../nbs/23_llama3_2.ipynb #c2cf0e39
-def llama3_2(vocab_size: int, num_layers: int, num_heads: int, num_kv_heads: int, embed_dim: int,
-             max_seq_len: int, attn_dropout: float = 0.0, rope_base: int = 500_000,
-             intermediate_dim: Optional[int] = None, norm_eps: float = 1e-5, scale_factor: float = 32.0,
-             tie_word_embeddings: bool = True) -> TransformerDecoder:
-    "A Llama 3.2 text decoder (torchtune's `llama3_2` arguments): Llama 3.1 with scale factor 32, tied output."
-    return llama3_1(vocab_size=vocab_size, num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                    embed_dim=embed_dim, max_seq_len=max_seq_len, attn_dropout=attn_dropout, rope_base=rope_base,
-                    intermediate_dim=intermediate_dim, norm_eps=norm_eps, scale_factor=scale_factor,
-                    tie_word_embeddings=tie_word_embeddings)
+def llama3_2(
+    vocab_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    embed_dim: int,
+    max_seq_len: int,
+    attn_dropout: float = 0.0,
+    rope_base: int = 500_000,
+    intermediate_dim: Optional[int] = None,
+    norm_eps: float = 1e-5,
+    scale_factor: float = 32.0,
+    tie_word_embeddings: bool = True,
+) -> TransformerDecoder:
+    """A Llama 3.2 text decoder (torchtune's `llama3_2` arguments): Llama 3.1 with scale
+    factor 32, tied output.
+    """
+    return llama3_1(
+        vocab_size=vocab_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        embed_dim=embed_dim,
+        max_seq_len=max_seq_len,
+        attn_dropout=attn_dropout,
+        rope_base=rope_base,
+        intermediate_dim=intermediate_dim,
+        norm_eps=norm_eps,
+        scale_factor=scale_factor,
+        tie_word_embeddings=tie_word_embeddings,
+    )
 
 
 def llama3_2_1b() -> TransformerDecoder:
     "Llama-3.2-1B(-Instruct)."
-    return llama3_2(vocab_size=128_256, num_layers=16, num_heads=32, num_kv_heads=8, embed_dim=2048,
-                    max_seq_len=131_072, intermediate_dim=8192)
+    return llama3_2(
+        vocab_size=128_256,
+        num_layers=16,
+        num_heads=32,
+        num_kv_heads=8,
+        embed_dim=2048,
+        max_seq_len=131_072,
+        intermediate_dim=8192,
+    )
 
 
 def llama3_2_3b() -> TransformerDecoder:
     "Llama-3.2-3B(-Instruct)."
-    return llama3_2(vocab_size=128_256, num_layers=28, num_heads=24, num_kv_heads=8, embed_dim=3072,
-                    max_seq_len=131_072, intermediate_dim=8192)
+    return llama3_2(
+        vocab_size=128_256,
+        num_layers=28,
+        num_heads=24,
+        num_kv_heads=8,
+        embed_dim=3072,
+        max_seq_len=131_072,
+        intermediate_dim=8192,
+    )
 
 # %% ../../../nbs/23_llama3_2.ipynb #9365d0c7
 from ...modules.peft import lora_builder
-from ...tokenizers._chat import llama3_tokenizer  # the family's tokenizer (chat formats chapter)
+
+# the family's tokenizer (chat formats chapter)
+from ...tokenizers._chat import llama3_tokenizer
 
 lora_llama3_2 = lora_builder(llama3_2, "lora_llama3_2")
 lora_llama3_2_1b = lora_builder(llama3_2_1b, "lora_llama3_2_1b")

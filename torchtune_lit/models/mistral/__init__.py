@@ -14,35 +14,86 @@ from ...modules.position_embeddings import RotaryPositionalEmbeddings
 from ...modules.transformer import TransformerDecoder
 
 # %% ../../../nbs/26_mistral.ipynb #ded8b3a8
-def mistral(vocab_size: int, num_layers: int, num_heads: int, num_kv_heads: int, embed_dim: int,
-            intermediate_dim: int, max_seq_len: int, head_dim: Optional[int] = None, attn_dropout: float = 0.0,
-            norm_eps: float = 1e-5, rope_base: float = 10_000, sliding_window: Optional[int] = None) -> TransformerDecoder:
-    "A Mistral decoder (torchtune's `mistral` arguments, plus `head_dim` and `sliding_window`)."
+def mistral(
+    vocab_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    embed_dim: int,
+    intermediate_dim: int,
+    max_seq_len: int,
+    head_dim: Optional[int] = None,
+    attn_dropout: float = 0.0,
+    norm_eps: float = 1e-5,
+    rope_base: float = 10_000,
+    sliding_window: Optional[int] = None,
+) -> TransformerDecoder:
+    """A Mistral decoder (torchtune's `mistral` arguments, plus `head_dim` and
+    `sliding_window`).
+    """
     head_dim = head_dim or embed_dim // num_heads
-    return build_decoder(vocab_size=vocab_size, num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                         embed_dim=embed_dim, intermediate_dim=intermediate_dim, max_seq_len=max_seq_len,
-                         head_dim=head_dim, norm_eps=norm_eps, attn_dropout=attn_dropout, sliding_window=sliding_window,
-                         rope=RotaryPositionalEmbeddings(dim=head_dim, max_seq_len=max_seq_len, base=rope_base))
+    return build_decoder(
+        vocab_size=vocab_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        embed_dim=embed_dim,
+        intermediate_dim=intermediate_dim,
+        max_seq_len=max_seq_len,
+        head_dim=head_dim,
+        norm_eps=norm_eps,
+        attn_dropout=attn_dropout,
+        sliding_window=sliding_window,
+        rope=RotaryPositionalEmbeddings(
+            dim=head_dim, max_seq_len=max_seq_len, base=rope_base
+        ),
+    )
 
 
 def mistral_7b() -> TransformerDecoder:
-    "Mistral-7B-v0.1 (the v0.1 Instruct models too): vocabulary 32,000, sliding window 4,096."
-    return mistral(vocab_size=32_000, num_layers=32, num_heads=32, num_kv_heads=8, embed_dim=4096,
-                   intermediate_dim=14_336, max_seq_len=32_768, rope_base=10_000, sliding_window=4096)
+    """Mistral-7B-v0.1 (the v0.1 Instruct models too): vocabulary 32,000, sliding window
+    4,096.
+    """
+    return mistral(
+        vocab_size=32_000,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        embed_dim=4096,
+        intermediate_dim=14_336,
+        max_seq_len=32_768,
+        rope_base=10_000,
+        sliding_window=4096,
+    )
 
 
 def mistral_7b_v0_3() -> TransformerDecoder:
-    """Mistral-7B-v0.3 (and Mistral-7B-Instruct-v0.3): vocabulary 32,768 (768 added control tokens such as [INST]),
-    RoPE base 1,000,000, full attention (no sliding window) over 32,768 positions."""
-    return mistral(vocab_size=32_768, num_layers=32, num_heads=32, num_kv_heads=8, embed_dim=4096,
-                   intermediate_dim=14_336, max_seq_len=32_768, rope_base=1_000_000, sliding_window=None)
+    """Mistral-7B-v0.3 (and Mistral-7B-Instruct-v0.3): vocabulary 32,768 (768 added
+    control tokens such as [INST]), RoPE base 1,000,000, full attention (no sliding
+    window) over 32,768 positions.
+    """
+    return mistral(
+        vocab_size=32_768,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        embed_dim=4096,
+        intermediate_dim=14_336,
+        max_seq_len=32_768,
+        rope_base=1_000_000,
+        sliding_window=None,
+    )
 
 # %% ../../../nbs/26_mistral.ipynb #d2a084f4
 from ...modules.peft import lora_builder
-from ...tokenizers._chat import mistral_tokenizer  # the family's tokenizer (chat formats chapter)
+
+# the family's tokenizer (chat formats chapter)
+from ...tokenizers._chat import mistral_tokenizer
 
 lora_mistral = lora_builder(mistral, "lora_mistral")
 lora_mistral_7b = lora_builder(mistral_7b, "lora_mistral_7b")
 qlora_mistral_7b = lora_builder(mistral_7b, "qlora_mistral_7b", quantize_base=True)
 lora_mistral_7b_v0_3 = lora_builder(mistral_7b_v0_3, "lora_mistral_7b_v0_3")
-qlora_mistral_7b_v0_3 = lora_builder(mistral_7b_v0_3, "qlora_mistral_7b_v0_3", quantize_base=True)
+qlora_mistral_7b_v0_3 = lora_builder(
+    mistral_7b_v0_3, "qlora_mistral_7b_v0_3", quantize_base=True
+)

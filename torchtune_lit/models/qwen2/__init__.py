@@ -13,19 +13,46 @@ from ...modules.position_embeddings import RotaryPositionalEmbeddings
 from ...modules.transformer import TransformerDecoder
 
 # %% ../../../nbs/24_qwen2.ipynb #4a551e03
-def qwen2(vocab_size: int, num_layers: int, num_heads: int, num_kv_heads: int, embed_dim: int,
-          intermediate_dim: int, max_seq_len: int, head_dim: Optional[int] = None, attn_dropout: float = 0.0,
-          norm_eps: float = 1e-6, rope_base: float = 1_000_000.0, tie_word_embeddings: bool = False) -> TransformerDecoder:
-    "A Qwen 2 / 2.5 decoder (torchtune's `qwen2` arguments): q/k/v biases, RoPE base 1e6, optional tied output."
+def qwen2(
+    vocab_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    embed_dim: int,
+    intermediate_dim: int,
+    max_seq_len: int,
+    head_dim: Optional[int] = None,
+    attn_dropout: float = 0.0,
+    norm_eps: float = 1e-6,
+    rope_base: float = 1_000_000.0,
+    tie_word_embeddings: bool = False,
+) -> TransformerDecoder:
+    """A Qwen 2 / 2.5 decoder (torchtune's `qwen2` arguments): q/k/v biases, RoPE base
+    1e6, optional tied output.
+    """
     head_dim = head_dim or embed_dim // num_heads
-    return build_decoder(vocab_size=vocab_size, num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                         embed_dim=embed_dim, intermediate_dim=intermediate_dim, max_seq_len=max_seq_len,
-                         head_dim=head_dim, norm_eps=norm_eps, attn_dropout=attn_dropout, attn_bias=True,
-                         tie_word_embeddings=tie_word_embeddings,
-                         rope=RotaryPositionalEmbeddings(dim=head_dim, max_seq_len=max_seq_len, base=rope_base))
+    return build_decoder(
+        vocab_size=vocab_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        embed_dim=embed_dim,
+        intermediate_dim=intermediate_dim,
+        max_seq_len=max_seq_len,
+        head_dim=head_dim,
+        norm_eps=norm_eps,
+        attn_dropout=attn_dropout,
+        attn_bias=True,
+        tie_word_embeddings=tie_word_embeddings,
+        rope=RotaryPositionalEmbeddings(
+            dim=head_dim, max_seq_len=max_seq_len, base=rope_base
+        ),
+    )
 
 # %% ../../../nbs/24_qwen2.ipynb #f069575f
 from ...modules.peft import lora_builder
-from ...tokenizers._chat import qwen2_5_tokenizer as qwen2_tokenizer  # the family's tokenizer (chat formats chapter)
+
+# the family's tokenizer (chat formats chapter)
+from ...tokenizers._chat import qwen2_5_tokenizer as qwen2_tokenizer
 
 lora_qwen2 = lora_builder(qwen2, "lora_qwen2")

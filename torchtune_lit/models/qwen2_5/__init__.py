@@ -14,41 +14,85 @@ from ...modules.transformer import TransformerDecoder
 # %% ../../../nbs/25_qwen2_5.ipynb #d9602c3b
 def qwen2_5_0_5b() -> TransformerDecoder:
     "Qwen2.5-0.5B(-Instruct)."
-    return qwen2(vocab_size=151_936, num_layers=24, num_heads=14, num_kv_heads=2, embed_dim=896,
-                 intermediate_dim=4864, max_seq_len=32_768, tie_word_embeddings=True)
+    return qwen2(
+        vocab_size=151_936,
+        num_layers=24,
+        num_heads=14,
+        num_kv_heads=2,
+        embed_dim=896,
+        intermediate_dim=4864,
+        max_seq_len=32_768,
+        tie_word_embeddings=True,
+    )
 
 
 def qwen2_5_1_5b() -> TransformerDecoder:
     "Qwen2.5-1.5B(-Instruct)."
-    return qwen2(vocab_size=151_936, num_layers=28, num_heads=12, num_kv_heads=2, embed_dim=1536,
-                 intermediate_dim=8960, max_seq_len=32_768, tie_word_embeddings=True)
+    return qwen2(
+        vocab_size=151_936,
+        num_layers=28,
+        num_heads=12,
+        num_kv_heads=2,
+        embed_dim=1536,
+        intermediate_dim=8960,
+        max_seq_len=32_768,
+        tie_word_embeddings=True,
+    )
 
 
 def qwen2_5_3b() -> TransformerDecoder:
     "Qwen2.5-3B(-Instruct)."
-    return qwen2(vocab_size=151_936, num_layers=36, num_heads=16, num_kv_heads=2, embed_dim=2048,
-                 intermediate_dim=11_008, max_seq_len=32_768, tie_word_embeddings=True)
+    return qwen2(
+        vocab_size=151_936,
+        num_layers=36,
+        num_heads=16,
+        num_kv_heads=2,
+        embed_dim=2048,
+        intermediate_dim=11_008,
+        max_seq_len=32_768,
+        tie_word_embeddings=True,
+    )
 
 
 def qwen2_5_7b() -> TransformerDecoder:
     "Qwen2.5-7B(-Instruct)."
-    return qwen2(vocab_size=152_064, num_layers=28, num_heads=28, num_kv_heads=4, embed_dim=3584,
-                 intermediate_dim=18_944, max_seq_len=32_768)
+    return qwen2(
+        vocab_size=152_064,
+        num_layers=28,
+        num_heads=28,
+        num_kv_heads=4,
+        embed_dim=3584,
+        intermediate_dim=18_944,
+        max_seq_len=32_768,
+    )
 
 
 def qwen2_5_14b() -> TransformerDecoder:
     "Qwen2.5-14B(-Instruct)."
-    return qwen2(vocab_size=152_064, num_layers=48, num_heads=40, num_kv_heads=8, embed_dim=5120,
-                 intermediate_dim=13_824, max_seq_len=32_768)
+    return qwen2(
+        vocab_size=152_064,
+        num_layers=48,
+        num_heads=40,
+        num_kv_heads=8,
+        embed_dim=5120,
+        intermediate_dim=13_824,
+        max_seq_len=32_768,
+    )
 
 # %% ../../../nbs/25_qwen2_5.ipynb #21ca9ceb
 from ...modules.peft import lora_builder
-from ...tokenizers._chat import qwen2_5_tokenizer  # the family's tokenizer (chat formats chapter)
+
+# the family's tokenizer (chat formats chapter)
+from ...tokenizers._chat import qwen2_5_tokenizer
 
 lora_qwen2_5_0_5b = lora_builder(qwen2_5_0_5b, "lora_qwen2_5_0_5b")
-qlora_qwen2_5_0_5b = lora_builder(qwen2_5_0_5b, "qlora_qwen2_5_0_5b", quantize_base=True)
+qlora_qwen2_5_0_5b = lora_builder(
+    qwen2_5_0_5b, "qlora_qwen2_5_0_5b", quantize_base=True
+)
 lora_qwen2_5_1_5b = lora_builder(qwen2_5_1_5b, "lora_qwen2_5_1_5b")
-qlora_qwen2_5_1_5b = lora_builder(qwen2_5_1_5b, "qlora_qwen2_5_1_5b", quantize_base=True)
+qlora_qwen2_5_1_5b = lora_builder(
+    qwen2_5_1_5b, "qlora_qwen2_5_1_5b", quantize_base=True
+)
 lora_qwen2_5_3b = lora_builder(qwen2_5_3b, "lora_qwen2_5_3b")
 qlora_qwen2_5_3b = lora_builder(qwen2_5_3b, "qlora_qwen2_5_3b", quantize_base=True)
 lora_qwen2_5_7b = lora_builder(qwen2_5_7b, "lora_qwen2_5_7b")

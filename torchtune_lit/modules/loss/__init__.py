@@ -8,9 +8,21 @@ __all__ = ['CEWithChunkedOutputLoss', 'ForwardKLLoss', 'ForwardKLWithChunkedOutp
 
 # %% ../../../nbs/69_loss_map.ipynb #de7a5497
 from .ce_chunked_output_loss import CEWithChunkedOutputLoss
-from .kd_losses import (ForwardKLLoss, ForwardKLWithChunkedOutputLoss, ReverseKLLoss,
-                                                  ReverseKLWithChunkedOutputLoss, SymmetricKLLoss,
-                                                  SymmetricKLWithChunkedOutputLoss)
+from torchtune_lit.modules.loss.kd_losses import (
+    ForwardKLLoss,
+    ForwardKLWithChunkedOutputLoss,
+    ReverseKLLoss,
+    ReverseKLWithChunkedOutputLoss,
+    SymmetricKLLoss,
+    SymmetricKLWithChunkedOutputLoss,
+)
 
-_all_ = ["CEWithChunkedOutputLoss", "ForwardKLLoss", "ForwardKLWithChunkedOutputLoss", "ReverseKLLoss",
-         "ReverseKLWithChunkedOutputLoss", "SymmetricKLLoss", "SymmetricKLWithChunkedOutputLoss"]
+_all_ = [
+    "CEWithChunkedOutputLoss",
+    "ForwardKLLoss",
+    "ForwardKLWithChunkedOutputLoss",
+    "ReverseKLLoss",
+    "ReverseKLWithChunkedOutputLoss",
+    "SymmetricKLLoss",
+    "SymmetricKLWithChunkedOutputLoss",
+]

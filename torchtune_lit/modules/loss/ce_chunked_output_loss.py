@@ -12,26 +12,40 @@ from torch import nn
 
 # %% ../../../nbs/60_ce_chunked.ipynb #f90d70ea
 class CEWithChunkedOutputLoss(nn.Module):
-    """Cross-entropy over a list of logit chunks `[batch, seq/K, vocab]` (the decoder's chunked output) and labels
-    `[batch, seq]`: each chunk is upcast to fp32 only while its loss is computed. Returns the mean over positions
-    whose label is not `ignore_index` (0 when there are none)."""
+    """Cross-entropy over a list of logit chunks `[batch, seq/K, vocab]` (the decoder's
+    chunked output) and labels `[batch, seq]`: each chunk is upcast to fp32 only while
+    its loss is computed. Returns the mean over positions whose label is not
+    `ignore_index` (0 when there are none).
+    """
 
     def __init__(self, num_output_chunks: int = 8, ignore_index: int = -100) -> None:
         super().__init__()
         self.num_output_chunks, self.ignore_index = num_output_chunks, ignore_index
 
-    def compute_cross_entropy(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        "Summed cross-entropy of one chunk, in fp32: logits [tokens, vocab], labels [tokens]."
-        return F.cross_entropy(logits.float(), labels, ignore_index=self.ignore_index, reduction="sum")
+    def compute_cross_entropy(
+        self, logits: torch.Tensor, labels: torch.Tensor
+    ) -> torch.Tensor:
+        """Summed cross-entropy of one chunk, in fp32: logits [tokens, vocab], labels
+        [tokens].
+        """
+        return F.cross_entropy(
+            logits.float(), labels, ignore_index=self.ignore_index, reduction="sum"
+        )
 
     def forward(self, logits: list[torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
         if isinstance(logits, torch.Tensor):
             logits = logits.chunk(self.num_output_chunks, dim=1)
         if len(logits) != self.num_output_chunks:
-            raise ValueError(f"got {len(logits)} logit chunks but num_output_chunks={self.num_output_chunks}: call "
-                             f"model.set_num_output_chunks({self.num_output_chunks}) (or change the loss's setting).")
+            raise ValueError(
+                f"got {len(logits)} logit chunks but "
+                f"num_output_chunks={self.num_output_chunks}: call "
+                f"model.set_num_output_chunks({self.num_output_chunks}) (or change "
+                "the loss's setting)."
+            )
         label_chunks = labels.chunk(self.num_output_chunks, dim=1)
-        total = sum(self.compute_cross_entropy(l.reshape(-1, l.size(-1)), y.reshape(-1))
-                    for l, y in zip(logits, label_chunks))
+        total = sum(
+            self.compute_cross_entropy(l.reshape(-1, l.size(-1)), y.reshape(-1))
+            for l, y in zip(logits, label_chunks)
+        )
         num_trained = (labels != self.ignore_index).sum()
         return total / num_trained.clamp(min=1)

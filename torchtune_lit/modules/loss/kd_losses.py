@@ -12,39 +12,65 @@ import torch.nn.functional as F
 from torch import nn
 
 # %% ../../../nbs/61_kd_losses.ipynb #23529ed8
-def _masked_mean(per_token: torch.Tensor, labels: torch.Tensor, ignore_index: int, normalize: bool) -> torch.Tensor:
-    "Sum of `per_token` over positions whose label is not ignored, divided by their count when `normalize`."
+def _masked_mean(
+    per_token: torch.Tensor, labels: torch.Tensor, ignore_index: int, normalize: bool
+) -> torch.Tensor:
+    """Sum of `per_token` over positions whose label is not ignored, divided by their
+    count when `normalize`.
+    """
     mask = (labels != ignore_index).reshape(-1).float()
     total = (per_token.reshape(-1) * mask).sum()
     return total / mask.sum().clamp(min=1) if normalize else total
 
 
-def _forward_kl_terms(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
-    "-sum_v p_v log q_v per position (teacher p, student q), in fp32; -inf student logits contribute 0."
+def _forward_kl_terms(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor
+) -> torch.Tensor:
+    """-sum_v p_v log q_v per position (teacher p, student q), in fp32; -inf student
+    logits contribute 0.
+    """
     teacher_prob = F.softmax(teacher_logits, dim=-1, dtype=torch.float32)
     student_logprob = F.log_softmax(student_logits, dim=-1, dtype=torch.float32)
-    weighted = (teacher_prob * student_logprob).masked_fill(torch.isinf(student_logits), 0.0)
+    weighted = (teacher_prob * student_logprob).masked_fill(
+        torch.isinf(student_logits), 0.0
+    )
     return -weighted.sum(-1)
 
 
-def _reverse_kl_terms(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+def _reverse_kl_terms(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor
+) -> torch.Tensor:
     "sum_v q_v (log q_v - log p_v) per position, in fp32."
     student_logprob = F.log_softmax(student_logits, dim=-1, dtype=torch.float32)
     teacher_logprob = F.log_softmax(teacher_logits, dim=-1, dtype=torch.float32)
     terms = student_logprob.exp() * (student_logprob - teacher_logprob)
-    return terms.masked_fill(torch.isinf(student_logits) | torch.isinf(teacher_logits), 0.0).sum(-1)
+    return terms.masked_fill(
+        torch.isinf(student_logits) | torch.isinf(teacher_logits), 0.0
+    ).sum(-1)
 
 # %% ../../../nbs/61_kd_losses.ipynb #61e967dc
 class ForwardKLLoss(nn.Module):
-    "Teacher-weighted student log-probs, -sum p log q, averaged over trained positions (= KL(p||q) + H(p))."
+    """Teacher-weighted student log-probs, -sum p log q, averaged over trained positions
+    (= KL(p||q) + H(p)).
+    """
 
     def __init__(self, ignore_index: int = -100) -> None:
         super().__init__()
         self.ignore_index = ignore_index
 
-    def forward(self, student_logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor,
-                normalize: bool = True) -> torch.Tensor:
-        return _masked_mean(_forward_kl_terms(student_logits, teacher_logits), labels, self.ignore_index, normalize)
+    def forward(
+        self,
+        student_logits: torch.Tensor,
+        teacher_logits: torch.Tensor,
+        labels: torch.Tensor,
+        normalize: bool = True,
+    ) -> torch.Tensor:
+        return _masked_mean(
+            _forward_kl_terms(student_logits, teacher_logits),
+            labels,
+            self.ignore_index,
+            normalize,
+        )
 
 
 class ReverseKLLoss(nn.Module):
@@ -54,57 +80,108 @@ class ReverseKLLoss(nn.Module):
         super().__init__()
         self.ignore_index = ignore_index
 
-    def forward(self, student_logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor,
-                normalize: bool = True) -> torch.Tensor:
-        return _masked_mean(_reverse_kl_terms(student_logits, teacher_logits), labels, self.ignore_index, normalize)
+    def forward(
+        self,
+        student_logits: torch.Tensor,
+        teacher_logits: torch.Tensor,
+        labels: torch.Tensor,
+        normalize: bool = True,
+    ) -> torch.Tensor:
+        return _masked_mean(
+            _reverse_kl_terms(student_logits, teacher_logits),
+            labels,
+            self.ignore_index,
+            normalize,
+        )
 
 
 class SymmetricKLLoss(nn.Module):
-    "sym_kl_ratio * forward + (1 - sym_kl_ratio) * reverse, averaged over trained positions."
+    """sym_kl_ratio * forward + (1 - sym_kl_ratio) * reverse, averaged over trained
+    positions.
+    """
 
     def __init__(self, sym_kl_ratio: float = 0.5, ignore_index: int = -100) -> None:
         super().__init__()
         if not 0.0 <= sym_kl_ratio <= 1.0:
             raise ValueError(f"sym_kl_ratio must be in [0, 1], got {sym_kl_ratio}.")
         self.sym_kl_ratio, self.ignore_index = sym_kl_ratio, ignore_index
-        self.forward_kl, self.reverse_kl = ForwardKLLoss(ignore_index), ReverseKLLoss(ignore_index)
+        self.forward_kl, self.reverse_kl = (
+            ForwardKLLoss(ignore_index),
+            ReverseKLLoss(ignore_index),
+        )
 
-    def forward(self, student_logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor,
-                normalize: bool = True) -> torch.Tensor:
-        return (self.sym_kl_ratio * self.forward_kl(student_logits, teacher_logits, labels, normalize)
-                + (1 - self.sym_kl_ratio) * self.reverse_kl(student_logits, teacher_logits, labels, normalize))
+    def forward(
+        self,
+        student_logits: torch.Tensor,
+        teacher_logits: torch.Tensor,
+        labels: torch.Tensor,
+        normalize: bool = True,
+    ) -> torch.Tensor:
+        return self.sym_kl_ratio * self.forward_kl(
+            student_logits, teacher_logits, labels, normalize
+        ) + (1 - self.sym_kl_ratio) * self.reverse_kl(
+            student_logits, teacher_logits, labels, normalize
+        )
 
 # %% ../../../nbs/61_kd_losses.ipynb #679b5c9f
 class _ChunkedKD(nn.Module):
-    "Apply a per-chunk KD loss to lists of student and teacher logit chunks; mean over trained positions."
+    """Apply a per-chunk KD loss to lists of student and teacher logit chunks; mean over
+    trained positions.
+    """
 
-    def __init__(self, loss: nn.Module, num_output_chunks: int, ignore_index: int) -> None:
+    def __init__(
+        self, loss: nn.Module, num_output_chunks: int, ignore_index: int
+    ) -> None:
         super().__init__()
-        self.loss, self.num_output_chunks, self.ignore_index = loss, num_output_chunks, ignore_index
+        self.loss, self.num_output_chunks, self.ignore_index = (
+            loss,
+            num_output_chunks,
+            ignore_index,
+        )
 
-    def forward(self, student_logits: list[torch.Tensor], teacher_logits: list[torch.Tensor],
-                labels: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        student_logits: list[torch.Tensor],
+        teacher_logits: list[torch.Tensor],
+        labels: torch.Tensor,
+    ) -> torch.Tensor:
         if not len(student_logits) == len(teacher_logits) == self.num_output_chunks:
-            raise ValueError(f"expected {self.num_output_chunks} student and teacher chunks, got {len(student_logits)} "
-                             f"and {len(teacher_logits)}: call set_num_output_chunks on both models.")
+            raise ValueError(
+                f"expected {self.num_output_chunks} student and teacher "
+                f"chunks, got {len(student_logits)} and {len(teacher_logits)}: call "
+                "set_num_output_chunks on both models."
+            )
         label_chunks = labels.chunk(self.num_output_chunks, dim=1)
-        total = sum(self.loss(s, t, y, normalize=False) for s, t, y in zip(student_logits, teacher_logits, label_chunks))
+        total = sum(
+            self.loss(s, t, y, normalize=False)
+            for s, t, y in zip(student_logits, teacher_logits, label_chunks)
+        )
         return total / (labels != self.ignore_index).sum().clamp(min=1)
 
 
 class ForwardKLWithChunkedOutputLoss(_ChunkedKD):
     "`ForwardKLLoss` over lists of logit chunks."
+
     def __init__(self, num_output_chunks: int = 8, ignore_index: int = -100) -> None:
         super().__init__(ForwardKLLoss(ignore_index), num_output_chunks, ignore_index)
 
 
 class ReverseKLWithChunkedOutputLoss(_ChunkedKD):
     "`ReverseKLLoss` over lists of logit chunks."
+
     def __init__(self, num_output_chunks: int = 8, ignore_index: int = -100) -> None:
         super().__init__(ReverseKLLoss(ignore_index), num_output_chunks, ignore_index)
 
 
 class SymmetricKLWithChunkedOutputLoss(_ChunkedKD):
     "`SymmetricKLLoss` over lists of logit chunks."
-    def __init__(self, num_output_chunks: int = 8, sym_kl_ratio: float = 0.5, ignore_index: int = -100) -> None:
-        super().__init__(SymmetricKLLoss(sym_kl_ratio, ignore_index), num_output_chunks, ignore_index)
+
+    def __init__(
+        self,
+        num_output_chunks: int = 8,
+        sym_kl_ratio: float = 0.5,
+        ignore_index: int = -100,
+    ) -> None:
+        super().__init__(
+            SymmetricKLLoss(sym_kl_ratio, ignore_index), num_output_chunks, ignore_index
+        )

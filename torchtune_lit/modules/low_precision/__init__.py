@@ -6,7 +6,20 @@
 __all__ = ['FrozenNF4Linear', 'NF4Quantized', 'nf4_code_book', 'nf4_code_values', 'nf4_dequantize', 'nf4_quantize']
 
 # %% ../../../nbs/58_low_precision_map.ipynb #62f28ef6
-from .nf4 import (FrozenNF4Linear, NF4Quantized, nf4_code_book, nf4_code_values,
-                                                     nf4_dequantize, nf4_quantize)
+from torchtune_lit.modules.low_precision.nf4 import (
+    FrozenNF4Linear,
+    NF4Quantized,
+    nf4_code_book,
+    nf4_code_values,
+    nf4_dequantize,
+    nf4_quantize,
+)
 
-_all_ = ["FrozenNF4Linear", "NF4Quantized", "nf4_code_book", "nf4_code_values", "nf4_dequantize", "nf4_quantize"]
+_all_ = [
+    "FrozenNF4Linear",
+    "NF4Quantized",
+    "nf4_code_book",
+    "nf4_code_values",
+    "nf4_dequantize",
+    "nf4_quantize",
+]

@@ -17,7 +17,9 @@ from torch import nn
 # %% ../../../nbs/52_nf4.ipynb #78ec3ada
 @contextlib.contextmanager
 def _quiet_loggers(*names: str):
-    "Temporarily raise the named loggers to ERROR (for torchao's harmless import-time warnings)."
+    """Temporarily raise the named loggers to ERROR (for torchao's harmless import-time
+    warnings).
+    """
     loggers = [logging.getLogger(name) for name in names]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
@@ -35,25 +37,37 @@ with _quiet_loggers("torchao", "torch.utils._pytree"):
 
 # %% ../../../nbs/52_nf4.ipynb #0b5e50cf
 def nf4_code_values(offset: float = 0.9677083) -> torch.Tensor:
-    "The 16 NF4 values derived from normal quantiles (fp64): 7 negative, an exact 0, 8 positive, scaled to [-1, 1]."
+    """The 16 NF4 values derived from normal quantiles (fp64): 7 negative, an exact 0, 8
+    positive, scaled to [-1, 1].
+    """
     positive = torch.special.ndtri(torch.linspace(offset, 0.5, 9)[:-1].double())
     negative = -torch.special.ndtri(torch.linspace(offset, 0.5, 8)[:-1].double())
-    values = torch.cat([negative, torch.zeros(1, dtype=torch.float64), positive]).sort().values
+    values = (
+        torch.cat([negative, torch.zeros(1, dtype=torch.float64), positive])
+        .sort()
+        .values
+    )
     return values / values.abs().max()
 
 
 def nf4_code_book(dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    "The stored code book: the derived values rounded to 4 decimals, in `dtype` (as torchao and bitsandbytes store it)."
+    """The stored code book: the derived values rounded to 4 decimals, in `dtype` (as
+    torchao and bitsandbytes store it).
+    """
     return (torch.round(nf4_code_values() * 1e4) / 1e4).to(dtype)
 
 # %% ../../../nbs/52_nf4.ipynb #205c6a6e
 @dataclass
 class NF4Quantized:
-    "A weight in NF4: packed 4-bit codes, int8 block scales with per-256-block factors and their mean."
-    packed_codes: torch.Tensor      # uint8, two codes per byte
-    scale_codes: torch.Tensor       # int8, one per block
-    scale_factors: torch.Tensor     # one per block of `scaler_block_size` scales, in the weight's dtype
-    scale_mean: torch.Tensor        # scalar, in the weight's dtype
+    """A weight in NF4: packed 4-bit codes, int8 block scales with per-256-block factors
+    and their mean.
+    """
+
+    packed_codes: torch.Tensor  # uint8, two codes per byte
+    scale_codes: torch.Tensor  # int8, one per block
+    # one per block of `scaler_block_size` scales, in the weight's dtype
+    scale_factors: torch.Tensor
+    scale_mean: torch.Tensor  # scalar, in the weight's dtype
     shape: torch.Size
     dtype: torch.dtype
     block_size: int
@@ -61,56 +75,96 @@ class NF4Quantized:
 
     def bits_per_parameter(self) -> float:
         "Storage cost: codes + int8 scales + scale factors + mean, per weight."
-        bits = (self.packed_codes.numel() * 8 + self.scale_codes.numel() * 8
-                + (self.scale_factors.numel() + 1) * self.scale_factors.element_size() * 8)
+        bits = (
+            self.packed_codes.numel() * 8
+            + self.scale_codes.numel() * 8
+            + (self.scale_factors.numel() + 1) * self.scale_factors.element_size() * 8
+        )
         return bits / math.prod(self.shape)
 
 
 def _block_absmax(flat: torch.Tensor, block_size: int) -> torch.Tensor:
     if flat.numel() % block_size:
-        raise ValueError(f"{flat.numel()} values do not split into blocks of {block_size}.")
+        raise ValueError(
+            f"{flat.numel()} values do not split into blocks of {block_size}."
+        )
     return flat.view(-1, block_size).abs().max(dim=1).values
 
 
-def nf4_quantize(weight: torch.Tensor, block_size: int = 64, scaler_block_size: int = 256) -> NF4Quantized:
+def nf4_quantize(
+    weight: torch.Tensor, block_size: int = 64, scaler_block_size: int = 256
+) -> NF4Quantized:
     "Quantise `weight` to NF4 with double-quantised block scales (see the steps above)."
     if weight.numel() % (block_size * scaler_block_size):
-        raise ValueError(f"NF4 needs the number of weights ({weight.numel()}) to be a multiple of block_size x "
-                         f"scaler_block_size = {block_size * scaler_block_size}.")
+        raise ValueError(
+            f"NF4 needs the number of weights ({weight.numel()}) to be "
+            "a multiple of block_size x scaler_block_size = "
+            f"{block_size * scaler_block_size}."
+        )
     flat = weight.detach().contiguous().flatten()
-    scales = _block_absmax(flat, block_size)                                   # one per block of 64
+    # one per block of 64
+    scales = _block_absmax(flat, block_size)
     scale_mean = scales.mean()
     centred = (scales - scale_mean).view(-1, scaler_block_size)
-    factors = 256 / (2 * centred.abs().max(dim=1, keepdim=True).values)       # one per block of 256 scales
+    # one per block of 256 scales
+    factors = 256 / (2 * centred.abs().max(dim=1, keepdim=True).values)
     scale_codes = (centred * factors).round().clamp(-128, 127).to(torch.int8).flatten()
-    normalised = (flat.view(-1, block_size) / scales[:, None]).flatten()        # in [-1, 1], original scales
+    # in [-1, 1], original scales
+    normalised = (flat.view(-1, block_size) / scales[:, None]).flatten()
     code_book = nf4_code_book(weight.dtype)
     codes = torch.empty(flat.numel(), dtype=torch.uint8)
-    for start in range(0, flat.numel(), 1 << 20):                              # nearest code, a chunk at a time
-        chunk = normalised[start:start + (1 << 20)]
-        codes[start:start + chunk.numel()] = (chunk[:, None] - code_book).abs().min(dim=-1).indices.to(torch.uint8)
+    # nearest code, a chunk at a time
+    for start in range(0, flat.numel(), 1 << 20):
+        chunk = normalised[start : start + (1 << 20)]
+        codes[start : start + chunk.numel()] = (
+            (chunk[:, None] - code_book).abs().min(dim=-1).indices.to(torch.uint8)
+        )
     packed = codes[0::2] << 4 | codes[1::2]
-    return NF4Quantized(packed, scale_codes, factors.flatten(), scale_mean, weight.shape, weight.dtype,
-                        block_size, scaler_block_size)
+    return NF4Quantized(
+        packed,
+        scale_codes,
+        factors.flatten(),
+        scale_mean,
+        weight.shape,
+        weight.dtype,
+        block_size,
+        scaler_block_size,
+    )
 
 
 def nf4_dequantize(q: NF4Quantized) -> torch.Tensor:
     "The weight that `q` represents, in the original dtype and shape."
-    codes = torch.stack([q.packed_codes >> 4, q.packed_codes & 0b1111], dim=-1).flatten().long()
+    codes = (
+        torch.stack([q.packed_codes >> 4, q.packed_codes & 0b1111], dim=-1)
+        .flatten()
+        .long()
+    )
     scale_codes = q.scale_codes.view(-1, q.scaler_block_size)
-    scales = (scale_codes / q.scale_factors[:, None]).flatten().to(q.dtype) + q.scale_mean
+    scales = (scale_codes / q.scale_factors[:, None]).flatten().to(
+        q.dtype
+    ) + q.scale_mean
     values = nf4_code_book(q.dtype)[codes].view(-1, q.block_size) * scales[:, None]
     return values.view(q.shape)
 
 # %% ../../../nbs/52_nf4.ipynb #ce0084d7
 class FrozenNF4Linear(nn.Linear):
-    "A frozen linear layer whose weight is stored as torchao NF4 (4.13 bits per weight); no bias."
+    """A frozen linear layer whose weight is stored as torchao NF4 (4.13 bits per
+    weight); no bias.
+    """
 
-    def __init__(self, in_dim: int, out_dim: int, device: torch.device | None = None,
-                 dtype: torch.dtype | None = None, **quantization_kwargs) -> None:
+    def __init__(
+        self,
+        in_dim: int,
+        out_dim: int,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+        **quantization_kwargs,
+    ) -> None:
         super().__init__(in_dim, out_dim, bias=False, device=device, dtype=dtype)
         self.weight.requires_grad_(False)
-        self.weight = nn.Parameter(to_nf4(self.weight.detach(), **quantization_kwargs), requires_grad=False)
+        self.weight = nn.Parameter(
+            to_nf4(self.weight.detach(), **quantization_kwargs), requires_grad=False
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear_nf4(input=x, weight=self.weight)

@@ -8,13 +8,32 @@ __all__ = ['AdapterModule', 'apply_lora', 'disable_adapter', 'get_adapter_params
            'validate_missing_and_unexpected_for_lora', 'DoRALinear', 'LoRALinear']
 
 # %% ../../../nbs/59_peft_map.ipynb #0d92472b
-from ._utils import (AdapterModule, apply_lora, disable_adapter, get_adapter_params,
-                                               get_adapter_state_dict, get_lora_module_names, get_merged_lora_ckpt,
-                                               lora_builder, set_trainable_params,
-                                               validate_missing_and_unexpected_for_lora)
+from torchtune_lit.modules.peft._utils import (
+    AdapterModule,
+    apply_lora,
+    disable_adapter,
+    get_adapter_params,
+    get_adapter_state_dict,
+    get_lora_module_names,
+    get_merged_lora_ckpt,
+    lora_builder,
+    set_trainable_params,
+    validate_missing_and_unexpected_for_lora,
+)
 from .dora import DoRALinear
 from .lora import LoRALinear
 
-_all_ = ["AdapterModule", "apply_lora", "disable_adapter", "get_adapter_params", "get_adapter_state_dict",
-         "get_lora_module_names", "get_merged_lora_ckpt", "lora_builder", "set_trainable_params",
-         "validate_missing_and_unexpected_for_lora", "DoRALinear", "LoRALinear"]
+_all_ = [
+    "AdapterModule",
+    "apply_lora",
+    "disable_adapter",
+    "get_adapter_params",
+    "get_adapter_state_dict",
+    "get_lora_module_names",
+    "get_merged_lora_ckpt",
+    "lora_builder",
+    "set_trainable_params",
+    "validate_missing_and_unexpected_for_lora",
+    "DoRALinear",
+    "LoRALinear",
+]

@@ -21,7 +21,10 @@ from ..transformer import TiedLinear, TransformerDecoder
 
 # %% ../../../nbs/54_peft_utils.ipynb #d77bfeba
 class AdapterModule(Protocol):
-    "A module with adapter parameters: `adapter_params()` returns their names relative to the module."
+    """A module with adapter parameters: `adapter_params()` returns their names relative
+    to the module.
+    """
+
     def adapter_params(self) -> list[str]: ...
 
 
@@ -39,18 +42,28 @@ def get_adapter_params(model: nn.Module) -> dict[str, nn.Parameter]:
 def set_trainable_params(model: nn.Module, adapter_params: dict[str, Any]) -> None:
     "Train exactly the parameters named in `adapter_params`; freeze all others."
     for name, param in model.named_parameters():
-        if param.requires_grad != (name in adapter_params):  # NF4 bases are frozen already (and refuse the call)
+        # NF4 bases are frozen already (and refuse the call)
+        if param.requires_grad != (name in adapter_params):
             param.requires_grad_(name in adapter_params)
 
 
 def get_adapter_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
     "The adapter entries of a full state dict (LoRA matrices and DoRA magnitudes)."
-    return {k: v for k, v in state_dict.items() if ".lora_a." in k or ".lora_b." in k or k.endswith(".magnitude")}
+    return {
+        k: v
+        for k, v in state_dict.items()
+        if ".lora_a." in k or ".lora_b." in k or k.endswith(".magnitude")
+    }
 
 
-def get_lora_module_names(lora_attn_modules: Sequence[str], apply_lora_to_mlp: bool,
-                          apply_lora_to_output: bool) -> list[str]:
-    "Names of the layer kinds that get adapters: attention projections, MLP w1/w2/w3, and the output."
+def get_lora_module_names(
+    lora_attn_modules: Sequence[str],
+    apply_lora_to_mlp: bool,
+    apply_lora_to_output: bool,
+) -> list[str]:
+    """Names of the layer kinds that get adapters: attention projections, MLP w1/w2/w3,
+    and the output.
+    """
     names = list(lora_attn_modules)
     if apply_lora_to_mlp:
         names += ["w1", "w2", "w3"]
@@ -61,8 +74,14 @@ def get_lora_module_names(lora_attn_modules: Sequence[str], apply_lora_to_mlp: b
 
 @contextlib.contextmanager
 def disable_adapter(model: nn.Module) -> Iterator[None]:
-    "Within the block, adapter layers compute their base layer only (e.g. the DPO reference); restored after."
-    layers = [m for m in model.modules() if hasattr(m, "adapter_params") and hasattr(m, "disabled")]
+    """Within the block, adapter layers compute their base layer only (e.g. the DPO
+    reference); restored after.
+    """
+    layers = [
+        m
+        for m in model.modules()
+        if hasattr(m, "adapter_params") and hasattr(m, "disabled")
+    ]
     previous = [m.disabled for m in layers]
     try:
         for m in layers:
@@ -74,56 +93,109 @@ def disable_adapter(model: nn.Module) -> Iterator[None]:
 
 # %% ../../../nbs/54_peft_utils.ipynb #2234eb7d
 @torch.no_grad()
-def get_merged_lora_ckpt(state_dict: dict[str, torch.Tensor], rank: int, alpha: float) -> dict[str, torch.Tensor]:
-    "A copy of `state_dict` with every LoRA / DoRA adapter merged into its base weight and the adapter keys removed."
+def get_merged_lora_ckpt(
+    state_dict: dict[str, torch.Tensor], rank: int, alpha: float
+) -> dict[str, torch.Tensor]:
+    """A copy of `state_dict` with every LoRA / DoRA adapter merged into its base weight
+    and the adapter keys removed.
+    """
     merged = dict(state_dict)
-    prefixes = [k[: -len(".lora_a.weight")] for k in state_dict if k.endswith(".lora_a.weight")]
+    prefixes = [
+        k[: -len(".lora_a.weight")] for k in state_dict if k.endswith(".lora_a.weight")
+    ]
     for prefix in prefixes:
         weight = merged[f"{prefix}.weight"]
         if isinstance(weight, NF4Tensor):
             weight = weight.get_original_weight()
-        lora_a, lora_b = merged.pop(f"{prefix}.lora_a.weight"), merged.pop(f"{prefix}.lora_b.weight")
+        lora_a, lora_b = (
+            merged.pop(f"{prefix}.lora_a.weight"),
+            merged.pop(f"{prefix}.lora_b.weight"),
+        )
         adapted = weight + (alpha / rank) * (lora_b @ lora_a).to(weight.dtype)
         magnitude = merged.pop(f"{prefix}.magnitude", None)
         if magnitude is not None:
-            adapted = magnitude[:, None].to(weight.dtype) * adapted / torch.linalg.norm(adapted, dim=1, keepdim=True)
+            adapted = (
+                magnitude[:, None].to(weight.dtype)
+                * adapted
+                / torch.linalg.norm(adapted, dim=1, keepdim=True)
+            )
         merged[f"{prefix}.weight"] = adapted
     return merged
 
 
-def validate_missing_and_unexpected_for_lora(lora_attn_modules: Sequence[str], apply_lora_to_mlp: bool,
-                                             apply_lora_to_output: bool, base_missing: Optional[list[str]] = None,
-                                             base_unexpected: Optional[list[str]] = None,
-                                             lora_missing: Optional[list[str]] = None,
-                                             lora_unexpected: Optional[list[str]] = None) -> None:
-    """Check the key lists of `load_state_dict(strict=False)`: loading the base may miss only adapter keys, loading
-    adapters may miss only base keys; nothing may be unexpected. Raises with the offending keys."""
-    lora_kinds = get_lora_module_names(lora_attn_modules, apply_lora_to_mlp, apply_lora_to_output)
+def validate_missing_and_unexpected_for_lora(
+    lora_attn_modules: Sequence[str],
+    apply_lora_to_mlp: bool,
+    apply_lora_to_output: bool,
+    base_missing: Optional[list[str]] = None,
+    base_unexpected: Optional[list[str]] = None,
+    lora_missing: Optional[list[str]] = None,
+    lora_unexpected: Optional[list[str]] = None,
+) -> None:
+    """Check the key lists of `load_state_dict(strict=False)`: loading the base may miss
+    only adapter keys, loading adapters may miss only base keys; nothing may be
+    unexpected. Raises with the offending keys.
+    """
+    lora_kinds = get_lora_module_names(
+        lora_attn_modules, apply_lora_to_mlp, apply_lora_to_output
+    )
+
     def is_adapter(key: str) -> bool:
-        return any(f"{kind}.lora_" in key or f"{kind}.magnitude" in key for kind in lora_kinds) or \
-            key == "output.lora_a.weight" or key == "output.lora_b.weight"
+        return (
+            any(
+                f"{kind}.lora_" in key or f"{kind}.magnitude" in key
+                for kind in lora_kinds
+            )
+            or key == "output.lora_a.weight"
+            or key == "output.lora_b.weight"
+        )
+
     problems = []
     if base_missing and [k for k in base_missing if not is_adapter(k)]:
-        problems.append(f"base weights missing for {[k for k in base_missing if not is_adapter(k)][:5]}")
+        problems.append(
+            "base weights missing for "
+            f"{[k for k in base_missing if not is_adapter(k)][:5]}"
+        )
     if lora_missing and [k for k in lora_missing if is_adapter(k)]:
-        problems.append(f"adapter weights missing for {[k for k in lora_missing if is_adapter(k)][:5]}")
+        problems.append(
+            "adapter weights missing for "
+            f"{[k for k in lora_missing if is_adapter(k)][:5]}"
+        )
     for label, keys in (("base", base_unexpected), ("adapter", lora_unexpected)):
         if keys:
             problems.append(f"unexpected {label} keys {keys[:5]}")
     if problems:
-        raise RuntimeError("checkpoint does not fit the LoRA model: " + "; ".join(problems) + ". Check the LoRA "
-                           "options (lora_attn_modules, apply_lora_to_mlp, apply_lora_to_output) against the checkpoint.")
+        raise RuntimeError(
+            "checkpoint does not fit the LoRA model: "
+            + "; ".join(problems)
+            + ". Check the LoRA options (lora_attn_modules, apply_lora_to_mlp, "
+            "apply_lora_to_output) against the checkpoint."
+        )
 
 # %% ../../../nbs/54_peft_utils.ipynb #d8c42b95
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "output_proj")
 MLP_MODULES = ("w1", "w2", "w3")
 
 
-def _adapted(linear: nn.Linear, rank: int, alpha: float, dropout: float, use_dora: bool, quantize_base: bool) -> LoRALinear:
+def _adapted(
+    linear: nn.Linear,
+    rank: int,
+    alpha: float,
+    dropout: float,
+    use_dora: bool,
+    quantize_base: bool,
+) -> LoRALinear:
     cls = DoRALinear if use_dora else LoRALinear
     with torch.device(linear.weight.device):
-        layer = cls(linear.in_features, linear.out_features, rank=rank, alpha=alpha, dropout=dropout,
-                    use_bias=linear.bias is not None, quantize_base=quantize_base)
+        layer = cls(
+            linear.in_features,
+            linear.out_features,
+            rank=rank,
+            alpha=alpha,
+            dropout=dropout,
+            use_bias=linear.bias is not None,
+            quantize_base=quantize_base,
+        )
     layer.to(linear.weight.dtype)
     with torch.no_grad():
         layer.weight.copy_(linear.weight)
@@ -136,24 +208,50 @@ def _adapted(linear: nn.Linear, rank: int, alpha: float, dropout: float, use_dor
 
 def _frozen_nf4(linear: nn.Linear) -> FrozenNF4Linear:
     if linear.bias is not None:
-        raise ValueError("quantize_base with a biased projection outside lora_attn_modules is not supported; add it "
-                         "to lora_attn_modules.")
-    layer = FrozenNF4Linear(linear.in_features, linear.out_features, device=linear.weight.device, dtype=linear.weight.dtype)
+        raise ValueError(
+            "quantize_base with a biased projection outside "
+            "lora_attn_modules is not supported; add it to lora_attn_modules."
+        )
+    layer = FrozenNF4Linear(
+        linear.in_features,
+        linear.out_features,
+        device=linear.weight.device,
+        dtype=linear.weight.dtype,
+    )
     with torch.no_grad():
         layer.weight.copy_(linear.weight)
     return layer
 
 
-def apply_lora(model: TransformerDecoder, lora_attn_modules: Sequence[str], apply_lora_to_mlp: bool = False,
-               apply_lora_to_output: bool = False, *, lora_rank: int, lora_alpha: float, lora_dropout: float = 0.0,
-               use_dora: bool = False, quantize_base: bool = False) -> TransformerDecoder:
-    "Replace the chosen linear layers of `model` by LoRA/DoRA layers with the same weights (in place); returns `model`."
+def apply_lora(
+    model: TransformerDecoder,
+    lora_attn_modules: Sequence[str],
+    apply_lora_to_mlp: bool = False,
+    apply_lora_to_output: bool = False,
+    *,
+    lora_rank: int,
+    lora_alpha: float,
+    lora_dropout: float = 0.0,
+    use_dora: bool = False,
+    quantize_base: bool = False,
+) -> TransformerDecoder:
+    """Replace the chosen linear layers of `model` by LoRA/DoRA layers with the same
+    weights (in place); returns `model`.
+    """
     unknown = sorted(set(lora_attn_modules) - set(ATTN_MODULES))
     if unknown:
-        raise ValueError(f"lora_attn_modules {unknown} are not attention projections; choose from {list(ATTN_MODULES)}.")
+        raise ValueError(
+            f"lora_attn_modules {unknown} are not attention "
+            f"projections; choose from {list(ATTN_MODULES)}."
+        )
     if not lora_attn_modules and not apply_lora_to_mlp and not apply_lora_to_output:
-        raise ValueError("no layer would get an adapter: set lora_attn_modules, apply_lora_to_mlp or apply_lora_to_output.")
-    make = lambda linear: _adapted(linear, lora_rank, lora_alpha, lora_dropout, use_dora, quantize_base)
+        raise ValueError(
+            "no layer would get an adapter: set lora_attn_modules, "
+            "apply_lora_to_mlp or apply_lora_to_output."
+        )
+    make = lambda linear: _adapted(
+        linear, lora_rank, lora_alpha, lora_dropout, use_dora, quantize_base
+    )
     for layer in model.layers:
         for name in ATTN_MODULES:
             if name in lora_attn_modules:
@@ -167,32 +265,70 @@ def apply_lora(model: TransformerDecoder, lora_attn_modules: Sequence[str], appl
                 setattr(layer.mlp, name, _frozen_nf4(getattr(layer.mlp, name)))
     if apply_lora_to_output:
         if isinstance(model.output, TiedLinear):
-            raise ValueError("apply_lora_to_output is not supported for a model with tied embeddings "
-                             "(its output is the embedding matrix); set apply_lora_to_output=False.")
+            raise ValueError(
+                "apply_lora_to_output is not supported for a model with "
+                "tied embeddings (its output is the embedding matrix); set "
+                "apply_lora_to_output=False."
+            )
         model.output = make(model.output)
     return model
 
 
-def lora_builder(base_builder: Callable[..., TransformerDecoder], name: str, **defaults: Any) -> Callable[..., TransformerDecoder]:
-    """A builder `name(lora_attn_modules, apply_lora_to_mlp=False, apply_lora_to_output=False, *, lora_rank=8,
-    lora_alpha=16, lora_dropout=0.0, use_dora=False, quantize_base=False, **base_builder_arguments)`."""
-    lora_options = {"lora_rank": 8, "lora_alpha": 16.0, "lora_dropout": 0.0, "use_dora": False, "quantize_base": False}
+def lora_builder(
+    base_builder: Callable[..., TransformerDecoder], name: str, **defaults: Any
+) -> Callable[..., TransformerDecoder]:
+    """A builder `name(lora_attn_modules, apply_lora_to_mlp=False,
+    apply_lora_to_output=False, *, lora_rank=8, lora_alpha=16, lora_dropout=0.0,
+    use_dora=False, quantize_base=False, **base_builder_arguments)`.
+    """
+    lora_options = {
+        "lora_rank": 8,
+        "lora_alpha": 16.0,
+        "lora_dropout": 0.0,
+        "use_dora": False,
+        "quantize_base": False,
+    }
     lora_options.update({k: v for k, v in defaults.items() if k in lora_options})
 
-    def build(lora_attn_modules: Sequence[str], apply_lora_to_mlp: bool = False, apply_lora_to_output: bool = False,
-              **kwargs: Any) -> TransformerDecoder:
+    def build(
+        lora_attn_modules: Sequence[str],
+        apply_lora_to_mlp: bool = False,
+        apply_lora_to_output: bool = False,
+        **kwargs: Any,
+    ) -> TransformerDecoder:
         options = {k: kwargs.pop(k, v) for k, v in lora_options.items()}
-        return apply_lora(base_builder(**kwargs), lora_attn_modules, apply_lora_to_mlp, apply_lora_to_output, **options)
+        return apply_lora(
+            base_builder(**kwargs),
+            lora_attn_modules,
+            apply_lora_to_mlp,
+            apply_lora_to_output,
+            **options,
+        )
 
     P = inspect.Parameter
-    params = [P("lora_attn_modules", P.POSITIONAL_OR_KEYWORD, annotation=Sequence[str]),
-              P("apply_lora_to_mlp", P.POSITIONAL_OR_KEYWORD, default=False, annotation=bool),
-              P("apply_lora_to_output", P.POSITIONAL_OR_KEYWORD, default=False, annotation=bool)]
+    params = [
+        P("lora_attn_modules", P.POSITIONAL_OR_KEYWORD, annotation=Sequence[str]),
+        P("apply_lora_to_mlp", P.POSITIONAL_OR_KEYWORD, default=False, annotation=bool),
+        P(
+            "apply_lora_to_output",
+            P.POSITIONAL_OR_KEYWORD,
+            default=False,
+            annotation=bool,
+        ),
+    ]
     params += [P(k, P.KEYWORD_ONLY, default=v) for k, v in lora_options.items()]
-    params += [p.replace(kind=P.KEYWORD_ONLY) for p in inspect.signature(base_builder).parameters.values()]
-    build.__signature__ = inspect.Signature(params, return_annotation=TransformerDecoder)
+    params += [
+        p.replace(kind=P.KEYWORD_ONLY)
+        for p in inspect.signature(base_builder).parameters.values()
+    ]
+    build.__signature__ = inspect.Signature(
+        params, return_annotation=TransformerDecoder
+    )
     build.__name__ = build.__qualname__ = name
     build.__module__ = base_builder.__module__
     kind = "QLoRA" if lora_options["quantize_base"] else "LoRA"
-    build.__doc__ = f"`{base_builder.__name__}` with {kind} adapters (see the PEFT chapters for the options)."
+    build.__doc__ = (
+        f"`{base_builder.__name__}` with {kind} adapters "
+        "(see the PEFT chapters for the options)."
+    )
     return build

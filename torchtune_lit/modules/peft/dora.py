@@ -15,14 +15,34 @@ from .lora import LoRALinear
 
 # %% ../../../nbs/51_dora.ipynb #e6b1d577
 class DoRALinear(LoRALinear):
-    """DoRA (Liu et al. 2024): `magnitude * (W + s B A) / ||W + s B A||_row` applied to x, the norm detached.
+    """DoRA (Liu et al. 2024): `magnitude * (W + s B A) / ||W + s B A||_row` applied to
+    x, the norm detached.
 
-    Same arguments and keys as `LoRALinear`, plus the trainable `magnitude` ([out_dim]); call
-    `initialize_dora_magnitude()` once the base weight is loaded."""
+    Same arguments and keys as `LoRALinear`, plus the trainable `magnitude` ([out_dim]);
+    call `initialize_dora_magnitude()` once the base weight is loaded.
+    """
 
-    def __init__(self, in_dim: int, out_dim: int, rank: int, alpha: float, dropout: float = 0.0,
-                 use_bias: bool = False, quantize_base: bool = False, **quantization_kwargs) -> None:
-        super().__init__(in_dim, out_dim, rank, alpha, dropout, use_bias, quantize_base, **quantization_kwargs)
+    def __init__(
+        self,
+        in_dim: int,
+        out_dim: int,
+        rank: int,
+        alpha: float,
+        dropout: float = 0.0,
+        use_bias: bool = False,
+        quantize_base: bool = False,
+        **quantization_kwargs,
+    ) -> None:
+        super().__init__(
+            in_dim,
+            out_dim,
+            rank,
+            alpha,
+            dropout,
+            use_bias,
+            quantize_base,
+            **quantization_kwargs,
+        )
         self.magnitude = nn.Parameter(torch.ones(out_dim))
         self.initialize_dora_magnitude()
 
@@ -32,11 +52,15 @@ class DoRALinear(LoRALinear):
 
     @torch.no_grad()
     def initialize_dora_magnitude(self) -> None:
-        "m = row norms of W + s B A (= of W while B is zero): the adapted layer starts equal to the base."
+        """m = row norms of W + s B A (= of W while B is zero): the adapted layer starts
+        equal to the base.
+        """
         self.magnitude.copy_(self._weight_norm().to(self.magnitude.dtype))
 
     def _weight_norm(self) -> torch.Tensor:
-        weight = self._dense_weight() + self.scaling * (self.lora_b.weight @ self.lora_a.weight)
+        weight = self._dense_weight() + self.scaling * (
+            self.lora_b.weight @ self.lora_a.weight
+        )
         return torch.linalg.norm(weight, dim=1)
 
     def adapter_params(self) -> list[str]:

@@ -16,17 +16,27 @@ from ..low_precision.nf4 import NF4Tensor, linear_nf4, to_nf4
 
 # %% ../../../nbs/50_lora.ipynb #77a3f261
 class _FrozenBaseLoRA(torch.autograd.Function):
-    "y = x W^T (+ b) + s (x A^T) B^T with W (and b) frozen: one node, the additions fused into the matrix products."
+    """y = x W^T (+ b) + s (x A^T) B^T with W (and b) frozen: one node, the additions
+    fused into the matrix products.
+    """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], lora_a: torch.Tensor,
-                lora_b: torch.Tensor, scaling: float) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])                          # [N, in]
-        out = rows @ weight.t()                                    # [N, out]
+    def forward(
+        ctx,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: Optional[torch.Tensor],
+        lora_a: torch.Tensor,
+        lora_b: torch.Tensor,
+        scaling: float,
+    ) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])  # [N, in]
+        out = rows @ weight.t()  # [N, out]
         if bias is not None:
             out += bias
-        u = rows @ lora_a.t()                                      # [N, rank]
-        out.addmm_(u, lora_b.t(), alpha=scaling)                   # out += s u B^T, in place
+        u = rows @ lora_a.t()  # [N, rank]
+        # out += s u B^T, in place
+        out.addmm_(u, lora_b.t(), alpha=scaling)
         ctx.save_for_backward(rows, u, weight, lora_a, lora_b)
         ctx.scaling, ctx.input_shape = scaling, x.shape
         return out.view(*x.shape[:-1], out.shape[-1])
@@ -34,10 +44,10 @@ class _FrozenBaseLoRA(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         rows, u, weight, lora_a, lora_b = ctx.saved_tensors
-        grad = grad_out.reshape(-1, grad_out.shape[-1])            # [N, out]
-        grad_b = (grad.t() @ u).mul_(ctx.scaling)                   # [out, rank]
-        grad_u = (grad @ lora_b).mul_(ctx.scaling)                  # [N, rank]
-        grad_a = grad_u.t() @ rows                                  # [rank, in]
+        grad = grad_out.reshape(-1, grad_out.shape[-1])  # [N, out]
+        grad_b = (grad.t() @ u).mul_(ctx.scaling)  # [out, rank]
+        grad_u = (grad @ lora_b).mul_(ctx.scaling)  # [N, rank]
+        grad_a = grad_u.t() @ rows  # [rank, in]
         grad_x = None
         if ctx.needs_input_grad[0]:
             grad_x = (grad @ weight).addmm_(grad_u, lora_a).view(ctx.input_shape)
@@ -45,19 +55,34 @@ class _FrozenBaseLoRA(torch.autograd.Function):
 
 # %% ../../../nbs/50_lora.ipynb #c0850a14
 class LoRALinear(nn.Module):
-    """`W x (+ b) + (alpha / rank) * lora_b(lora_a(dropout(x)))` with `W` frozen by the recipe and `lora_b` initialised
-    to zero. `quantize_base=True` stores `W` as torchao NF4 (QLoRA). `disabled=True` computes the base layer alone.
-    State-dict keys: `weight`, `bias` (if `use_bias`), `lora_a.weight`, `lora_b.weight`."""
+    """`W x (+ b) + (alpha / rank) * lora_b(lora_a(dropout(x)))` with `W` frozen by the
+    recipe and `lora_b` initialised to zero. `quantize_base=True` stores `W` as torchao
+    NF4 (QLoRA). `disabled=True` computes the base layer alone. State-dict keys:
+    `weight`, `bias` (if `use_bias`), `lora_a.weight`, `lora_b.weight`.
+    """
 
-    def __init__(self, in_dim: int, out_dim: int, rank: int, alpha: float, dropout: float = 0.0,
-                 use_bias: bool = False, quantize_base: bool = False, **quantization_kwargs) -> None:
+    def __init__(
+        self,
+        in_dim: int,
+        out_dim: int,
+        rank: int,
+        alpha: float,
+        dropout: float = 0.0,
+        use_bias: bool = False,
+        quantize_base: bool = False,
+        **quantization_kwargs,
+    ) -> None:
         super().__init__()
         if rank < 1:
             raise ValueError(f"LoRA rank must be >= 1, got {rank}.")
         self.in_dim, self.out_dim, self.rank, self.alpha = in_dim, out_dim, rank, alpha
         self.use_bias, self._quantize_base = use_bias, quantize_base
         linear = nn.Linear(in_dim, out_dim, bias=use_bias)
-        weight = to_nf4(linear.weight.detach(), **quantization_kwargs) if quantize_base else linear.weight
+        weight = (
+            to_nf4(linear.weight.detach(), **quantization_kwargs)
+            if quantize_base
+            else linear.weight
+        )
         self.weight = nn.Parameter(weight, requires_grad=not quantize_base)
         self.bias = nn.Parameter(linear.bias) if use_bias else None
         self.dropout = nn.Dropout(p=dropout) if dropout > 0.0 else nn.Identity()
@@ -67,7 +92,9 @@ class LoRALinear(nn.Module):
         self.initialize_parameters()
 
     def initialize_parameters(self) -> None:
-        "A: Kaiming-uniform (as nn.Linear), B: zeros, so the adapter starts as the identity update."
+        """A: Kaiming-uniform (as nn.Linear), B: zeros, so the adapter starts as the
+        identity update.
+        """
         nn.init.kaiming_uniform_(self.lora_a.weight, a=math.sqrt(5))
         nn.init.zeros_(self.lora_b.weight)
 
@@ -81,18 +108,35 @@ class LoRALinear(nn.Module):
 
     def base_forward(self, x: torch.Tensor) -> torch.Tensor:
         "The frozen layer alone: W x + b (NF4 weights through torchao's linear_nf4)."
-        out = linear_nf4(input=x, weight=self.weight) if self._quantize_base else F.linear(x, self.weight)
+        out = (
+            linear_nf4(input=x, weight=self.weight)
+            if self._quantize_base
+            else F.linear(x, self.weight)
+        )
         return out + self.bias if self.bias is not None else out
 
     def _base_frozen(self) -> bool:
-        "True when the fused single-node path applies: dense W and bias frozen, no dropout."
-        return (not self._quantize_base and not self.weight.requires_grad and isinstance(self.dropout, nn.Identity)
-                and (self.bias is None or not self.bias.requires_grad))
+        """True when the fused single-node path applies: dense W and bias frozen, no
+        dropout.
+        """
+        return (
+            not self._quantize_base
+            and not self.weight.requires_grad
+            and isinstance(self.dropout, nn.Identity)
+            and (self.bias is None or not self.bias.requires_grad)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.disabled:
             return self.base_forward(x)
         if self._base_frozen():
-            return _FrozenBaseLoRA.apply(x, self.weight, self.bias, self.lora_a.weight, self.lora_b.weight, self.scaling)
+            return _FrozenBaseLoRA.apply(
+                x,
+                self.weight,
+                self.bias,
+                self.lora_a.weight,
+                self.lora_b.weight,
+                self.scaling,
+            )
         out = self.base_forward(x)
         return out + self.lora_b(self.lora_a(self.dropout(x))) * self.scaling
