@@ -179,6 +179,8 @@ def link_chapters(nb: dict, pages: dict[str, str]) -> None:
     "Links between chapters name the notebook (`50_lora.ipynb`, as on GitHub and Colab); the site names its page."
     def to_page(match: re.Match) -> str:
         page = pages.get(match.group(1) + ".ipynb")
+        if page is None and match.group(1) in pages.values():  # nbdev's own doc links name the page
+            page = match.group(1)
         if page is None:
             raise SystemExit(f"a link to {match.group(0)[2:-1]}, which is not a notebook in nbs/")
         return f"]({page}.ipynb{match.group(2) or ''})"
