@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['padded_collate_sft', 'padded_collate_dpo', 'padded_collate_packed', 'left_pad_sequence']
 
-# %% ../../nbs/45_collate.ipynb #f2cdde6d
+# %% ../../nbs/45_collate.ipynb #ae2ecd3c
 from typing import Any
 
 import torch
@@ -15,7 +15,7 @@ from torch.nn.utils.rnn import pad_sequence
 from ._messages import CROSS_ENTROPY_IGNORE_IDX
 from ..modules.attention_utils import create_block_causal_mask
 
-# %% ../../nbs/45_collate.ipynb #51771be7
+# %% ../../nbs/45_collate.ipynb #716403e0
 def _right_pad(sequences: list[list[int]], value: int, length: int) -> torch.Tensor:
     padded = pad_sequence(
         [torch.tensor(s, dtype=torch.long) for s in sequences],
@@ -39,7 +39,7 @@ def padded_collate_sft(
         "labels": _right_pad([x["labels"] for x in batch], ignore_idx, length),
     }
 
-
+# %% ../../nbs/45_collate.ipynb #a02da0a8
 def padded_collate_dpo(
     batch: list[dict[str, list[int]]],
     padding_idx: int = 0,
@@ -55,7 +55,7 @@ def padded_collate_dpo(
     length = max(len(s) for s in ids)
     return _right_pad(ids, padding_idx, length), _right_pad(labels, ignore_idx, length)
 
-
+# %% ../../nbs/45_collate.ipynb #52bdea13
 def padded_collate_packed(batch: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
     """Packs -> tokens, labels, input_pos [batch, max_seq_len] and the block-causal mask
     [batch, max_seq_len, max_seq_len].

@@ -6,14 +6,14 @@
 __all__ = ['CROSS_ENTROPY_IGNORE_IDX', 'ROLES', 'Message', 'validate_messages', 'mask_messages', 'InputOutputToMessages',
            'OpenAIToMessages', 'ShareGPTToMessages', 'ChosenRejectedToMessages']
 
-# %% ../../nbs/41_messages.ipynb #d7dd2a40
+# %% ../../nbs/41_messages.ipynb #8b41af77
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 CROSS_ENTROPY_IGNORE_IDX = -100
 ROLES = ("system", "user", "assistant", "ipython")
 
-# %% ../../nbs/41_messages.ipynb #2cafd56c
+# %% ../../nbs/41_messages.ipynb #61dfec19
 @dataclass
 class Message:
     """One turn of a conversation. `masked`: its tokens are not trained on. `eot`: the
@@ -42,7 +42,7 @@ class Message:
             eot=d.get("eot", True),
         )
 
-
+# %% ../../nbs/41_messages.ipynb #7d46ccd1
 def validate_messages(messages: list[Message]) -> None:
     """Raise ValueError unless: not empty; system only first; then user and assistant
     alternate, starting with user.
@@ -69,7 +69,7 @@ def validate_messages(messages: list[Message]) -> None:
             )
         expected = "assistant" if expected == "user" else "user"
 
-
+# %% ../../nbs/41_messages.ipynb #2c04f480
 def mask_messages(
     messages: list[Message], masking_strategy: str = "train_on_assistant"
 ) -> None:
@@ -92,7 +92,7 @@ def mask_messages(
                 "train_on_all, train_on_assistant or train_on_last."
             )
 
-# %% ../../nbs/41_messages.ipynb #c3efc88d
+# %% ../../nbs/41_messages.ipynb #2a779f1f
 def _column(
     row: Mapping[str, Any], name: str, column_map: Optional[Mapping[str, str]]
 ) -> Any:
@@ -115,7 +115,7 @@ def _with_system(
     rest = [m for m in messages if m.role != "system"]
     return [Message("system", new_system_prompt, masked=True)] + rest
 
-
+# %% ../../nbs/41_messages.ipynb #685d9a96
 class InputOutputToMessages:
     "A row with an input and an output column -> [user(input), assistant(output)]."
 
@@ -142,7 +142,7 @@ class InputOutputToMessages:
         ]
         return {"messages": _with_system(messages, self.new_system_prompt)}
 
-
+# %% ../../nbs/41_messages.ipynb #10f77528
 class OpenAIToMessages:
     "A row with a list of {'role', 'content'} dicts (OpenAI chat format) -> messages."
 
@@ -169,7 +169,7 @@ class OpenAIToMessages:
         ]
         return {"messages": _with_system(messages, self.new_system_prompt)}
 
-
+# %% ../../nbs/41_messages.ipynb #902f08b8
 class ShareGPTToMessages:
     """A row with a list of {'from': human|gpt|system, 'value'} dicts (ShareGPT format)
     -> messages.
@@ -213,7 +213,7 @@ class ShareGPTToMessages:
             )
         return {"messages": _with_system(messages, self.new_system_prompt)}
 
-
+# %% ../../nbs/41_messages.ipynb #134dbb8e
 class ChosenRejectedToMessages:
     """A preference row with 'chosen' and 'rejected' message lists (same prompt) ->
     {'chosen': [...], 'rejected': [...]}.

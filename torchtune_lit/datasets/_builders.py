@@ -6,7 +6,7 @@
 __all__ = ['load_rows', 'SFTDataset', 'instruct_dataset', 'chat_dataset', 'PreferenceDataset', 'preference_dataset',
            'TextCompletionDataset', 'text_completion_dataset']
 
-# %% ../../nbs/43_datasets.ipynb #bc4f9db3
+# %% ../../nbs/43_datasets.ipynb #5ab97b84
 import warnings
 from typing import Any, Callable, Mapping, Optional
 
@@ -21,7 +21,7 @@ from torchtune_lit.data._messages import (
     ShareGPTToMessages,
 )
 
-# %% ../../nbs/43_datasets.ipynb #8013d31b
+# %% ../../nbs/43_datasets.ipynb #3836f4d2
 def load_rows(
     source: str,
     split: str = "train",
@@ -45,7 +45,7 @@ def load_rows(
         rows = rows.filter(filter_fn)
     return rows
 
-
+# %% ../../nbs/43_datasets.ipynb #08513f90
 class SFTDataset(Dataset):
     """Rows -> `message_transform` -> `model_transform` (a model tokenizer) ->
     {"tokens", "labels"}.
@@ -95,7 +95,7 @@ class SFTDataset(Dataset):
                 )
         return {"tokens": list(sample["tokens"]), "labels": [int(l) for l in labels]}
 
-# %% ../../nbs/43_datasets.ipynb #b94e88ce
+# %% ../../nbs/43_datasets.ipynb #831617a1
 def _maybe_pack(ds: Dataset, tokenizer: Any, packed: bool) -> Dataset:
     if not packed:
         return ds
@@ -136,7 +136,7 @@ def instruct_dataset(
     )
     return _maybe_pack(ds, tokenizer, packed)
 
-
+# %% ../../nbs/43_datasets.ipynb #53b625d5
 def chat_dataset(
     tokenizer: Any,
     *,
@@ -173,7 +173,7 @@ def chat_dataset(
     )
     return _maybe_pack(ds, tokenizer, packed)
 
-# %% ../../nbs/43_datasets.ipynb #6bee4a2f
+# %% ../../nbs/43_datasets.ipynb #113f7947
 class PreferenceDataset(Dataset):
     """Rows with 'chosen' and 'rejected' conversations -> chosen/rejected input ids and
     labels.
@@ -232,7 +232,7 @@ def preference_dataset(
         **load_dataset_kwargs,
     )
 
-# %% ../../nbs/43_datasets.ipynb #e95c1ac3
+# %% ../../nbs/43_datasets.ipynb #43c89bf1
 class TextCompletionDataset(Dataset):
     "Plain text rows -> tokens, all trained on."
 

@@ -5,14 +5,33 @@
 # %% auto #0
 __all__ = ['PackedDataset']
 
-# %% ../../nbs/44_packing.ipynb #46b9c44a
+# %% ../../nbs/44_packing.ipynb #c4ae3c08
 from typing import Optional
 
 from torch.utils.data import Dataset
 
 from ..data._messages import CROSS_ENTROPY_IGNORE_IDX
 
-# %% ../../nbs/44_packing.ipynb #86a82a3a
+# %% ../../nbs/44_packing.ipynb #976dc4fb
+def _empty_pack() -> dict[str, list[int]]:
+    return {"tokens": [], "labels": [], "input_pos": [], "seq_lens": []}
+
+
+def _pad_pack(
+    pack: dict[str, list[int]], max_seq_len: int, padding_idx: int
+) -> dict[str, list[int]]:
+    """Pad `pack` in place to `max_seq_len` (the padding is one more sequence, never
+    trained on) and return it.
+    """
+    pad = max_seq_len - len(pack["tokens"])
+    if pad:
+        pack["tokens"] += [padding_idx] * pad
+        pack["labels"] += [CROSS_ENTROPY_IGNORE_IDX] * pad
+        pack["input_pos"] += list(range(pad))
+        pack["seq_lens"].append(pad)
+    return pack
+
+# %% ../../nbs/44_packing.ipynb #d42d15bd
 class PackedDataset(Dataset):
     """Greedy packing of `ds`'s {'tokens', 'labels'} samples into packs of exactly
     `max_seq_len` tokens.
@@ -33,7 +52,7 @@ class PackedDataset(Dataset):
             split_across_pack,
         )
         self.packs: list[dict[str, list[int]]] = []
-        current = {"tokens": [], "labels": [], "input_pos": [], "seq_lens": []}
+        current = _empty_pack()
         for index in range(len(ds)):
             sample = ds[index]
             tokens, labels = list(sample["tokens"]), list(sample["labels"])
@@ -47,14 +66,8 @@ class PackedDataset(Dataset):
             while tokens:
                 room = max_seq_len - len(current["tokens"])
                 if len(tokens) > room and (not split_across_pack or room == 0):
-                    self._close(current)
-                    current = {
-                        "tokens": [],
-                        "labels": [],
-                        "input_pos": [],
-                        "seq_lens": [],
-                    }
-                    room = max_seq_len
+                    self.packs.append(_pad_pack(current, max_seq_len, padding_idx))
+                    current, room = _empty_pack(), max_seq_len
                 piece, tokens = tokens[:room], tokens[room:]
                 piece_labels, labels = labels[:room], labels[room:]
                 current["tokens"] += piece
@@ -64,19 +77,7 @@ class PackedDataset(Dataset):
             if max_packs is not None and len(self.packs) >= max_packs:
                 break
         if current["tokens"] and (max_packs is None or len(self.packs) < max_packs):
-            self._close(current)
-
-    def _close(self, pack: dict[str, list[int]]) -> None:
-        """Pad the pack to max_seq_len (the padding is one more sequence, never trained
-        on) and store it.
-        """
-        pad = self.max_seq_len - len(pack["tokens"])
-        if pad:
-            pack["tokens"] += [self.padding_idx] * pad
-            pack["labels"] += [CROSS_ENTROPY_IGNORE_IDX] * pad
-            pack["input_pos"] += list(range(pad))
-            pack["seq_lens"].append(pad)
-        self.packs.append(pack)
+            self.packs.append(_pad_pack(current, max_seq_len, padding_idx))
 
     def __len__(self) -> int:
         return len(self.packs)

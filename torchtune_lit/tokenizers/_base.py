@@ -5,12 +5,13 @@
 # %% auto #0
 __all__ = ['BaseTokenizer', 'SentencePieceBaseTokenizer', 'TikTokenBaseTokenizer', 'HuggingFaceBaseTokenizer']
 
-# %% ../../nbs/40_base_tokenizers.ipynb #cfcf6c08
+# %% ../../nbs/40_base_tokenizers.ipynb #18ccb989
+import base64
 import json
 from pathlib import Path
 from typing import Optional, Protocol, Union
 
-# %% ../../nbs/40_base_tokenizers.ipynb #d94b8b4e
+# %% ../../nbs/40_base_tokenizers.ipynb #6ac87557
 class BaseTokenizer(Protocol):
     "Text <-> ids without chat formatting."
 
@@ -31,7 +32,7 @@ def _require_file(path: Union[str, Path], what: str) -> Path:
         )
     return path
 
-# %% ../../nbs/40_base_tokenizers.ipynb #5a8b71ba
+# %% ../../nbs/40_base_tokenizers.ipynb #88b80838
 class SentencePieceBaseTokenizer:
     """A SentencePiece `tokenizer.model`; `bos_id`/`eos_id`/`pad_id` come from the model
     file.
@@ -50,8 +51,8 @@ class SentencePieceBaseTokenizer:
             self.spm_model.pad_id(),
         )
         # SentencePiece marks a word start with '▁'; encoding "\n" + text and dropping
-        # the newline's pieces gives
-        # the pieces of `text` as they appear mid-sequence (no spurious leading '▁').
+        # the newline's pieces gives the pieces of `text` as they appear mid-sequence
+        # (no spurious leading '▁').
         self._newline_prefix = self.spm_model.encode("\n")
 
     def encode(
@@ -86,7 +87,19 @@ class SentencePieceBaseTokenizer:
             else token_id
         )
 
-# %% ../../nbs/40_base_tokenizers.ipynb #804634c3
+# %% ../../nbs/40_base_tokenizers.ipynb #11c9c3c5
+def _load_bpe_ranks(path: Path) -> dict[bytes, int]:
+    """{token bytes: rank} from a tiktoken BPE file (a base64 token and its rank per
+    line), read directly: tiktoken's `load_tiktoken_bpe` caches files by path.
+    """
+    ranks = {}
+    for line in path.read_bytes().splitlines():
+        if line.strip():
+            token, rank = line.split()
+            ranks[base64.b64decode(token)] = int(rank)
+    return ranks
+
+
 class TikTokenBaseTokenizer:
     """A tiktoken BPE file (base64 token, rank per line) with a pre-split `pattern` and
     `special_tokens` {text: id}.
@@ -102,9 +115,8 @@ class TikTokenBaseTokenizer:
         special_tokens: dict[str, int],
     ) -> None:
         import tiktoken
-        from tiktoken.load import load_tiktoken_bpe
 
-        ranks = load_tiktoken_bpe(str(_require_file(path, "tiktoken BPE file")))
+        ranks = _load_bpe_ranks(_require_file(path, "tiktoken BPE file"))
         self.tt_model = tiktoken.Encoding(
             name=name,
             pat_str=pattern,
@@ -131,7 +143,33 @@ class TikTokenBaseTokenizer:
         "The id of a special token, or None."
         return self.tt_model._special_tokens.get(token)
 
-# %% ../../nbs/40_base_tokenizers.ipynb #fb0cf473
+# %% ../../nbs/40_base_tokenizers.ipynb #645eefcb
+def _read_json(path: Union[str, Path]) -> dict:
+    "The JSON object in `path`, or {} when there is no such file."
+    path = Path(path)
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _token_text(token) -> Optional[str]:
+    'A special token from tokenizer_config.json: a string or {"content": string}.'
+    return token.get("content") if isinstance(token, dict) else token
+
+
+def _special_id(tokenizer, text: Optional[str], fallback) -> Optional[int]:
+    """The id of special token `text` in `tokenizer`; without a text, the id (or first
+    of the ids) that generation_config.json gives.
+    """
+    if text is not None:
+        token_id = tokenizer.token_to_id(text)
+        if token_id is None:
+            raise ValueError(
+                f"special token {text!r} from tokenizer_config.json "
+                "is not in tokenizer.json's vocabulary."
+            )
+        return token_id
+    return fallback[0] if isinstance(fallback, list) else fallback
+
+# %% ../../nbs/40_base_tokenizers.ipynb #509d5402
 class HuggingFaceBaseTokenizer:
     """A Hugging Face `tokenizer.json`; BOS/EOS from tokenizer_config.json or
     generation_config.json beside it (or given).
@@ -151,40 +189,22 @@ class HuggingFaceBaseTokenizer:
         path = _require_file(tokenizer_json_path, "tokenizer.json")
         self.tokenizer = Tokenizer.from_file(str(path))
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
-        config = self._read_json(
+        config = _read_json(
             tokenizer_config_json_path or path.with_name("tokenizer_config.json")
         )
-        generation = self._read_json(
+        generation = _read_json(
             generation_config_path or path.with_name("generation_config.json")
         )
-        self.bos_id = self._special_id(
-            bos_token or self._token_text(config.get("bos_token")),
+        self.bos_id = _special_id(
+            self.tokenizer,
+            bos_token or _token_text(config.get("bos_token")),
             generation.get("bos_token_id"),
         )
-        self.eos_id = self._special_id(
-            eos_token or self._token_text(config.get("eos_token")),
+        self.eos_id = _special_id(
+            self.tokenizer,
+            eos_token or _token_text(config.get("eos_token")),
             generation.get("eos_token_id"),
         )
-
-    @staticmethod
-    def _read_json(path: Union[str, Path]) -> dict:
-        path = Path(path)
-        return json.loads(path.read_text()) if path.is_file() else {}
-
-    @staticmethod
-    def _token_text(token) -> Optional[str]:
-        return token.get("content") if isinstance(token, dict) else token
-
-    def _special_id(self, text: Optional[str], fallback) -> Optional[int]:
-        if text is not None:
-            token_id = self.tokenizer.token_to_id(text)
-            if token_id is None:
-                raise ValueError(
-                    f"special token {text!r} from tokenizer_config.json "
-                    "is not in tokenizer.json's vocabulary."
-                )
-            return token_id
-        return fallback[0] if isinstance(fallback, list) else fallback
 
     def encode(
         self, text: str, add_bos: bool = True, add_eos: bool = True

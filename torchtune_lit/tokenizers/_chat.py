@@ -7,14 +7,14 @@ __all__ = ['Segment', 'LLAMA3_PATTERN', 'LLAMA3_SPECIAL_TOKENS', 'Special', 'Lla
            'MistralFormat', 'ModelTokenizer', 'llama3_tokenizer', 'qwen2_5_tokenizer', 'gemma_tokenizer',
            'mistral_tokenizer']
 
-# %% ../../nbs/42_chat_tokenizers.ipynb #f7e23bce
+# %% ../../nbs/42_chat_tokenizers.ipynb #d45bfe1b
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
 from ..data._messages import Message, validate_messages
 
-# %% ../../nbs/42_chat_tokenizers.ipynb #d7dffdc9
+# %% ../../nbs/42_chat_tokenizers.ipynb #910a90e7
 @dataclass(frozen=True)
 class Special:
     "A special (control) token, by its text; added by id, never through text encoding."
@@ -49,7 +49,7 @@ class Llama3Format:
             "\n\n",
         ]
 
-
+# %% ../../nbs/42_chat_tokenizers.ipynb #892f3975
 class ChatMLFormat:
     """ChatML as Qwen 2.5 uses it, with Qwen's default system prompt when the
     conversation has none.
@@ -67,7 +67,7 @@ class ChatMLFormat:
     def generation_prompt(self) -> list[Segment]:
         return [Special("<|im_start|>"), "assistant\n"]
 
-
+# %% ../../nbs/42_chat_tokenizers.ipynb #b57af0bc
 class GemmaFormat:
     "Gemma / Gemma 2 instruct format (roles user and model; no system turn)."
 
@@ -88,7 +88,7 @@ class GemmaFormat:
     def generation_prompt(self) -> list[Segment]:
         return [Special("<start_of_turn>"), "model\n"]
 
-
+# %% ../../nbs/42_chat_tokenizers.ipynb #96896cb7
 class MistralFormat:
     """Mistral instruct format as in Mistral-7B-Instruct-v0.3, whose [INST]/[/INST] are
     control tokens (no system turn).
@@ -114,7 +114,66 @@ class MistralFormat:
     def generation_prompt(self) -> list[Segment]:
         return []
 
-# %% ../../nbs/42_chat_tokenizers.ipynb #a200237e
+# %% ../../nbs/42_chat_tokenizers.ipynb #390edfb5
+def _special_token_ids(base_tokenizer: Any, chat_format: Any) -> dict[str, int]:
+    """{token: id} for every special token `chat_format` writes (BOS/EOS, end of turn,
+    message and generation-prompt markers); an error naming any the tokenizer lacks.
+    """
+    names = {
+        t for t in (chat_format.bos, chat_format.eos, chat_format.end_of_turn) if t
+    }
+    names |= {
+        s.token
+        for m in (Message("user", "x"), Message("assistant", "x"))
+        for s in chat_format.message(m)
+        if isinstance(s, Special)
+    }
+    names |= {
+        s.token for s in chat_format.generation_prompt() if isinstance(s, Special)
+    }
+    missing = sorted(n for n in names if base_tokenizer.token_to_id(n) is None)
+    if missing:
+        raise ValueError(
+            f"{type(chat_format).__name__} needs special tokens "
+            f"{missing} that this tokenizer does not have: the tokenizer file "
+            "and the chat format belong to different model families."
+        )
+    return {n: base_tokenizer.token_to_id(n) for n in names}
+
+
+def _with_default_system(messages: list[Message], chat_format: Any) -> list[Message]:
+    "`messages` after the format's default system prompt (masked) if they have none."
+    if chat_format.default_system_prompt and messages[0].role != "system":
+        system = Message("system", chat_format.default_system_prompt, masked=True)
+        return [system] + list(messages)
+    return messages
+
+# %% ../../nbs/42_chat_tokenizers.ipynb #c98b023f
+def _encode_segments(
+    base_tokenizer: Any, special_tokens: dict[str, int], segments: list[Segment]
+) -> list[int]:
+    "The ids of `segments`: special tokens by id, text through the base tokenizer."
+    ids = []
+    for segment in segments:
+        if isinstance(segment, Special):
+            ids.append(special_tokens[segment.token])
+        elif segment:
+            ids += base_tokenizer.encode(segment, add_bos=False, add_eos=False)
+    return ids
+
+
+def _truncate(
+    tokens: list[int], mask: list[bool], max_seq_len: Optional[int], eot_id: int
+) -> tuple[list[int], list[bool]]:
+    "The first `max_seq_len` tokens and flags, the last token made the end of turn."
+    if max_seq_len is None or len(tokens) <= max_seq_len:
+        return tokens, mask
+    tokens, mask = tokens[:max_seq_len], mask[:max_seq_len]
+    # keep the end of the turn, so the model still learns where answers stop
+    tokens[-1] = eot_id
+    return tokens, mask
+
+# %% ../../nbs/42_chat_tokenizers.ipynb #7dab60b8
 class ModelTokenizer:
     """A base tokenizer plus a chat format: `tokenize_messages(messages) -> (tokens,
     mask)`, mask True where not trained.
@@ -126,31 +185,10 @@ class ModelTokenizer:
     def __init__(
         self, base_tokenizer: Any, chat_format: Any, max_seq_len: Optional[int] = None
     ) -> None:
-        self.base, self.chat_format, self.max_seq_len = (
-            base_tokenizer,
-            chat_format,
-            max_seq_len,
-        )
-        names = {
-            t for t in (chat_format.bos, chat_format.eos, chat_format.end_of_turn) if t
-        }
-        names |= {
-            s.token
-            for m in (Message("user", "x"), Message("assistant", "x"))
-            for s in chat_format.message(m)
-            if isinstance(s, Special)
-        }
-        names |= {
-            s.token for s in chat_format.generation_prompt() if isinstance(s, Special)
-        }
-        missing = sorted(n for n in names if base_tokenizer.token_to_id(n) is None)
-        if missing:
-            raise ValueError(
-                f"{type(chat_format).__name__} needs special tokens "
-                f"{missing} that this tokenizer does not have: the tokenizer file "
-                "and the chat format belong to different model families."
-            )
-        self.special_tokens = {n: base_tokenizer.token_to_id(n) for n in names}
+        self.base = base_tokenizer
+        self.chat_format = chat_format
+        self.max_seq_len = max_seq_len
+        self.special_tokens = _special_token_ids(base_tokenizer, chat_format)
         self.bos_id = (
             self.special_tokens.get(chat_format.bos) if chat_format.bos else None
         )
@@ -168,60 +206,52 @@ class ModelTokenizer:
     def decode(self, token_ids: list[int], **kwargs) -> str:
         return self.base.decode(token_ids, **kwargs)
 
-    def _encode_segments(self, segments: list[Segment]) -> list[int]:
-        ids = []
-        for segment in segments:
-            if isinstance(segment, Special):
-                ids.append(self.special_tokens[segment.token])
-            elif segment:
-                ids += self.base.encode(segment, add_bos=False, add_eos=False)
-        return ids
-
     def tokenize_messages(
         self,
         messages: list[Message],
         add_end_tokens: bool = True,
         add_generation_prompt: bool = False,
     ) -> tuple[list[int], list[bool]]:
-        """(tokens, mask) for a conversation; mask[i] is True where token i is not
-        trained on.
-        """
+        "(tokens, mask) for a conversation; mask[i]: token i is not trained on."
         validate_messages(messages)
         fmt = self.chat_format
-        if fmt.default_system_prompt and messages[0].role != "system":
-            messages = [
-                Message("system", fmt.default_system_prompt, masked=True)
-            ] + list(messages)
+        messages = _with_default_system(messages, fmt)
         tokens = [self.bos_id] if self.bos_id is not None else []
         mask = [messages[0].masked] * len(tokens)
         for message in messages:
-            ids = self._encode_segments(fmt.message(message))
+            ids = _encode_segments(self.base, self.special_tokens, fmt.message(message))
             tokens += ids
             mask += [message.masked] * len(ids)
         if add_generation_prompt:
-            ids = self._encode_segments(fmt.generation_prompt())
+            prompt = fmt.generation_prompt()
+            ids = _encode_segments(self.base, self.special_tokens, prompt)
             tokens += ids
             mask += [True] * len(ids)
         elif add_end_tokens and fmt.eos != fmt.end_of_turn:
             tokens.append(self.eos_id)
             mask.append(mask[-1])
-        return self._truncate(tokens, mask)
-
-    def _truncate(
-        self, tokens: list[int], mask: list[bool]
-    ) -> tuple[list[int], list[bool]]:
-        if self.max_seq_len is None or len(tokens) <= self.max_seq_len:
-            return tokens, mask
-        tokens, mask = tokens[: self.max_seq_len], mask[: self.max_seq_len]
-        # keep the end of the turn, so the model still learns where answers stop
-        tokens[-1] = self.eot_id
-        return tokens, mask
+        return _truncate(tokens, mask, self.max_seq_len, self.eot_id)
 
     def __call__(self, sample: dict[str, Any]) -> dict[str, Any]:
         tokens, mask = self.tokenize_messages(sample["messages"])
         return {**sample, "tokens": tokens, "mask": mask}
 
-# %% ../../nbs/42_chat_tokenizers.ipynb #3a6da6f9
+# %% ../../nbs/42_chat_tokenizers.ipynb #c2e70b94
+def _base_tokenizer(path: Union[str, Path], tiktoken_kwargs: Optional[dict] = None):
+    from torchtune_lit.tokenizers._base import (
+        HuggingFaceBaseTokenizer,
+        SentencePieceBaseTokenizer,
+        TikTokenBaseTokenizer,
+    )
+
+    path = Path(path)
+    if path.suffix == ".json":
+        return HuggingFaceBaseTokenizer(path)
+    if tiktoken_kwargs is not None:
+        return TikTokenBaseTokenizer(path, **tiktoken_kwargs)
+    return SentencePieceBaseTokenizer(path)
+
+# %% ../../nbs/42_chat_tokenizers.ipynb #fc4722cd
 LLAMA3_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -245,30 +275,15 @@ LLAMA3_SPECIAL_TOKENS += [
 ]
 
 
-def _base_tokenizer(path: Union[str, Path], tiktoken_kwargs: Optional[dict] = None):
-    from torchtune_lit.tokenizers._base import (
-        HuggingFaceBaseTokenizer,
-        SentencePieceBaseTokenizer,
-        TikTokenBaseTokenizer,
-    )
-
-    path = Path(path)
-    if path.suffix == ".json":
-        return HuggingFaceBaseTokenizer(path)
-    if tiktoken_kwargs is not None:
-        return TikTokenBaseTokenizer(path, **tiktoken_kwargs)
-    return SentencePieceBaseTokenizer(path)
-
-
 def llama3_tokenizer(
     path: Union[str, Path], max_seq_len: Optional[int] = None
 ) -> ModelTokenizer:
     "Llama 3.x: `tokenizer.json`, or Meta's tiktoken `original/tokenizer.model`."
     tiktoken_kwargs = None
     if Path(path).suffix != ".json":
-        from tiktoken.load import load_tiktoken_bpe
+        from torchtune_lit.tokenizers._base import _load_bpe_ranks
 
-        n = len(load_tiktoken_bpe(str(path)))
+        n = len(_load_bpe_ranks(Path(path)))
         specials = {tok: n + i for i, tok in enumerate(LLAMA3_SPECIAL_TOKENS)}
         tiktoken_kwargs = dict(
             name="llama3",
@@ -281,7 +296,7 @@ def llama3_tokenizer(
         _base_tokenizer(path, tiktoken_kwargs), Llama3Format(), max_seq_len
     )
 
-
+# %% ../../nbs/42_chat_tokenizers.ipynb #e98f25b0
 def qwen2_5_tokenizer(
     path: Union[str, Path], max_seq_len: Optional[int] = None
 ) -> ModelTokenizer:

@@ -5,11 +5,10 @@
 # %% auto #0
 __all__ = ['DTYPES', 'get_device', 'get_dtype', 'set_seed', 'scale_grads', 'check_loss_is_finite', 'setup_run', 'JsonlLogger',
            'read_jsonl', 'training_schedule', 'capture_rng_state', 'restore_rng_state', 'latest_step_checkpoint',
-           'load_recipe_state', 'make_recipe_state', 'restore_training_state', 'resume_position',
-           'prune_step_checkpoints', 'truncate_log', 'shift_labels', 'summed_cross_entropy', 'train_step',
-           'validation_loss']
+           'load_recipe_state', 'prune_step_checkpoints', 'make_recipe_state', 'restore_training_state',
+           'resume_position', 'truncate_log', 'shift_labels', 'summed_cross_entropy', 'train_step', 'validation_loss']
 
-# %% ../../nbs/71_training_utils.ipynb #23bc6205
+# %% ../../nbs/71_training_utils.ipynb #9d54ce3c
 import json
 import math
 import random
@@ -20,7 +19,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-# %% ../../nbs/71_training_utils.ipynb #93d43804
+# %% ../../nbs/71_training_utils.ipynb #01405884
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -62,7 +61,7 @@ def get_dtype(name: str = "fp32", device: Optional[torch.device] = None) -> torc
         return torch.float32
     return DTYPES[name]
 
-
+# %% ../../nbs/71_training_utils.ipynb #9172832a
 def set_seed(seed: int) -> torch.Generator:
     """Seed Python and torch; return a torch Generator seeded the same way (for the data
     sampler).
@@ -88,7 +87,7 @@ def check_loss_is_finite(loss: float, step: int) -> None:
             "for empty or corrupt samples."
         )
 
-# %% ../../nbs/71_training_utils.ipynb #9a17e1c6
+# %% ../../nbs/71_training_utils.ipynb #aa448a6b
 def setup_run(cfg: Any) -> tuple[torch.device, torch.dtype, torch.Generator, Path]:
     """(device, dtype, data generator, output_dir) for a recipe config; writes
     output_dir/config.yaml.
@@ -103,7 +102,7 @@ def setup_run(cfg: Any) -> tuple[torch.device, torch.dtype, torch.Generator, Pat
     OmegaConf.save(cfg, output_dir / "config.yaml")
     return device, dtype, generator, output_dir
 
-# %% ../../nbs/71_training_utils.ipynb #df4f2e20
+# %% ../../nbs/71_training_utils.ipynb #b3f796b4
 class JsonlLogger:
     "Append one JSON object per `log` call to `log_dir/filename`, flushed immediately."
 
@@ -126,7 +125,7 @@ def read_jsonl(path: Union[str, Path]) -> list[dict]:
         json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()
     ]
 
-# %% ../../nbs/71_training_utils.ipynb #7664cb7e
+# %% ../../nbs/71_training_utils.ipynb #32932966
 def training_schedule(
     cfg: Any, num_batches: int, optimizer: torch.optim.Optimizer
 ) -> tuple[int, int, int, Any]:
@@ -160,7 +159,7 @@ def training_schedule(
     )
     return accumulation, steps_per_epoch, total_steps, lr_scheduler
 
-# %% ../../nbs/71_training_utils.ipynb #53c97cf8
+# %% ../../nbs/71_training_utils.ipynb #ac331753
 def capture_rng_state(epoch_generator_state: torch.Tensor) -> dict[str, Any]:
     """Python's and torch's random states now, and the data generator's state at the
     start of the current epoch.
@@ -183,7 +182,7 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
-
+# %% ../../nbs/71_training_utils.ipynb #9a776990
 def latest_step_checkpoint(output_dir: Union[str, Path]) -> Optional[Path]:
     """The newest complete `step_N` folder (one with recipe_state.pt) under
     `output_dir`, or None.
@@ -203,6 +202,18 @@ def load_recipe_state(folder: Union[str, Path]) -> dict[str, Any]:
     )
 
 
+def prune_step_checkpoints(output_dir: Union[str, Path], keep: int) -> None:
+    "Delete all but the newest `keep` step_N folders."
+    import shutil
+
+    folders = sorted(
+        (p for p in Path(output_dir).glob("step_*") if p.name[5:].isdigit()),
+        key=lambda p: int(p.name[5:]),
+    )
+    for old in folders[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+
+# %% ../../nbs/71_training_utils.ipynb #a93f422b
 def make_recipe_state(
     optimizer: torch.optim.Optimizer,
     lr_scheduler: Any,
@@ -232,7 +243,7 @@ def restore_training_state(
     if lr_scheduler is not None and state.get("lr_scheduler") is not None:
         lr_scheduler.load_state_dict(state["lr_scheduler"])
 
-
+# %% ../../nbs/71_training_utils.ipynb #47e2d687
 def resume_position(
     state: Optional[dict[str, Any]],
     optimizer: torch.optim.Optimizer,
@@ -253,18 +264,6 @@ def resume_position(
     return state["epoch"], state["steps_into_epoch"], state["step"], state["rng"]
 
 
-def prune_step_checkpoints(output_dir: Union[str, Path], keep: int) -> None:
-    "Delete all but the newest `keep` step_N folders."
-    import shutil
-
-    folders = sorted(
-        (p for p in Path(output_dir).glob("step_*") if p.name[5:].isdigit()),
-        key=lambda p: int(p.name[5:]),
-    )
-    for old in folders[:-keep] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 def truncate_log(path: Union[str, Path], last_step: int) -> None:
     """Drop log lines after `last_step`: a resumed run recomputes (and re-logs) those
     steps.
@@ -278,7 +277,7 @@ def truncate_log(path: Union[str, Path], last_step: int) -> None:
         ]
         path.write_text("".join(line + "\n" for line in kept))
 
-# %% ../../nbs/71_training_utils.ipynb #7ae82995
+# %% ../../nbs/71_training_utils.ipynb #97c8be6f
 def shift_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
     "Labels for next-token prediction: labels[:, 1:] followed by one ignored position."
     return torch.cat(
@@ -306,7 +305,7 @@ def summed_cross_entropy(
         reduction="sum",
     )
 
-
+# %% ../../nbs/71_training_utils.ipynb #42731eae
 def train_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -357,7 +356,7 @@ def train_step(
         metrics["grad_norm"] = grad_norm
     return metrics
 
-# %% ../../nbs/71_training_utils.ipynb #36b3604e
+# %% ../../nbs/71_training_utils.ipynb #3c2e2520
 @torch.no_grad()
 def validation_loss(
     model: nn.Module,

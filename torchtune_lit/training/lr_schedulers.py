@@ -5,14 +5,14 @@
 # %% auto #0
 __all__ = ['get_cosine_schedule_with_warmup', 'get_linear_schedule_with_warmup', 'get_constant_schedule_with_warmup']
 
-# %% ../../nbs/72_lr_schedulers.ipynb #8573f26b
+# %% ../../nbs/72_lr_schedulers.ipynb #ced77eba
 import math
 from typing import Optional
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-# %% ../../nbs/72_lr_schedulers.ipynb #e391e35c
+# %% ../../nbs/72_lr_schedulers.ipynb #bc7da5c7
 def get_cosine_schedule_with_warmup(
     optimizer: torch.optim.Optimizer,
     num_warmup_steps: int,
@@ -34,7 +34,7 @@ def get_cosine_schedule_with_warmup(
 
     return LambdaLR(optimizer, multiplier, last_epoch)
 
-
+# %% ../../nbs/72_lr_schedulers.ipynb #c9bac162
 def get_linear_schedule_with_warmup(
     optimizer: torch.optim.Optimizer,
     num_warmup_steps: int,

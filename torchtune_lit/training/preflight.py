@@ -7,7 +7,7 @@ __all__ = ['FORMAT_FAMILIES', 'data_findings', 'chat_format_findings', 'tokenize
            'optimisation_findings', 'memory_findings', 'check_first_loss', 'ChosenView', 'preflight_report',
            'format_report', 'save_report']
 
-# %% ../../nbs/74_preflight.ipynb #93e294dd
+# %% ../../nbs/74_preflight.ipynb #84fc14ff
 import json
 import math
 import statistics
@@ -20,18 +20,19 @@ from omegaconf import DictConfig
 import torchtune_lit.config as config
 from ..data._messages import CROSS_ENTROPY_IGNORE_IDX
 
-# %% ../../nbs/74_preflight.ipynb #af4eea61
+# %% ../../nbs/74_preflight.ipynb #1e58db62
 def _finding(level: str, message: str, **numbers: Any) -> dict[str, Any]:
     return {"level": level, "message": message, **numbers}
 
-
-def data_findings(
-    dataset: Any, tokenizer: Any, train_on_input: bool, max_samples: int = 2000
-) -> list[dict]:
-    """Token statistics, truncation, trained fraction, untrainable samples and prompt
-    leaks of up to `max_samples` samples.
+# %% ../../nbs/74_preflight.ipynb #2879eacc
+def _scan_samples(
+    dataset: Any, tokenizer: Any, train_on_input: bool, n: int
+) -> tuple[list[int], int, int, int, int, int]:
+    """(tokens per sample, trained positions, all positions, samples with nothing to
+    train on, unmasked user/system turns, samples over max_seq_len) of the first `n`
+    samples. The last two re-render each row's messages, so they need a dataset that
+    keeps its rows and message transform (an SFTDataset does).
     """
-    n = min(len(dataset), max_samples)
     lengths, trained, total, empty, leaked, truncated = [], 0, 0, 0, 0, 0
     transform = getattr(dataset, "_message_transform", None)
     rows = getattr(dataset, "_rows", None)
@@ -57,6 +58,20 @@ def data_findings(
                 leaked += sum(
                     1 for m in messages if m.role in ("user", "system") and not m.masked
                 )
+    return lengths, trained, total, empty, leaked, truncated
+
+# %% ../../nbs/74_preflight.ipynb #d57d1f75
+def data_findings(
+    dataset: Any, tokenizer: Any, train_on_input: bool, max_samples: int = 2000
+) -> list[dict]:
+    """Token statistics, truncation, trained fraction, untrainable samples and prompt
+    leaks of up to `max_samples` samples.
+    """
+    n = min(len(dataset), max_samples)
+    lengths, trained, total, empty, leaked, truncated = _scan_samples(
+        dataset, tokenizer, train_on_input, n
+    )
+    max_len = getattr(tokenizer, "max_seq_len", None)
     findings = [
         _finding(
             "ok",
@@ -107,7 +122,7 @@ def data_findings(
         )
     return findings
 
-
+# %% ../../nbs/74_preflight.ipynb #0d1bbbb1
 # the Hugging Face model_type(s) each chat format was trained into
 FORMAT_FAMILIES = {
     "Llama3Format": ("llama",),
@@ -167,7 +182,7 @@ def chat_format_findings(
         )
     return findings
 
-
+# %% ../../nbs/74_preflight.ipynb #5fb321ad
 def tokenizer_findings(
     tokenizer: Any, model: torch.nn.Module, hf_config: Optional[dict]
 ) -> list[dict]:
@@ -218,6 +233,15 @@ def tokenizer_findings(
             )
     return findings
 
+# %% ../../nbs/74_preflight.ipynb #bf95a483
+def _adapter_names(model: torch.nn.Module) -> set[str]:
+    "Names of the LoRA and DoRA parameters of `model`."
+    return {
+        n
+        for n, _ in model.named_parameters()
+        if ".lora_" in n or n.endswith(".magnitude")
+    }
+
 
 def checkpoint_findings(
     model: torch.nn.Module, state_dict: dict, allowed_missing: set
@@ -264,7 +288,7 @@ def checkpoint_findings(
         )
     return findings
 
-
+# %% ../../nbs/74_preflight.ipynb #b4a984fc
 def optimisation_findings(
     cfg: DictConfig,
     model: torch.nn.Module,
@@ -297,7 +321,7 @@ def optimisation_findings(
         ),
     ]
 
-
+# %% ../../nbs/74_preflight.ipynb #1a66aaf4
 def _device_memory(device: torch.device) -> tuple[Optional[int], str]:
     "(bytes available for training, what they are) on `device`."
     import os
@@ -314,16 +338,15 @@ def _device_memory(device: torch.device) -> tuple[Optional[int], str]:
         return None, "unknown"
 
 
-def memory_findings(
+def _planned_memory(
     cfg: DictConfig,
     model: torch.nn.Module,
     max_tokens_per_sample: int,
-    world_size: int = 1,
-    sequences_per_sample: int = 1,
-) -> list[dict]:
-    """The memory planner's peak for this config (the longest sample seen sets the
-    padded length), against the device. `sequences_per_sample`: 2 for preference pairs
-    (chosen and rejected run in one batch).
+    world_size: int,
+    sequences_per_sample: int,
+) -> tuple[Any, int, bool]:
+    """(the planner's estimate per process, the padded sequence length, whether
+    activation checkpointing is on) for `cfg`.
     """
     from torchtune_lit.training.memory import estimate_training_memory
     from torchtune_lit.training._utils import DTYPES
@@ -344,6 +367,23 @@ def memory_findings(
         estimate.weights /= world_size
         estimate.gradients /= world_size
         estimate.optimizer_states /= world_size
+    return estimate, seq_len, checkpointing
+
+# %% ../../nbs/74_preflight.ipynb #346c4bb1
+def memory_findings(
+    cfg: DictConfig,
+    model: torch.nn.Module,
+    max_tokens_per_sample: int,
+    world_size: int = 1,
+    sequences_per_sample: int = 1,
+) -> list[dict]:
+    """The memory planner's peak for this config (the longest sample seen sets the
+    padded length), against the device. `sequences_per_sample`: 2 for preference pairs
+    (chosen and rejected run in one batch).
+    """
+    estimate, seq_len, checkpointing = _planned_memory(
+        cfg, model, max_tokens_per_sample, world_size, sequences_per_sample
+    )
     device = torch.device(cfg.get("device", "cpu"))
     available, what = _device_memory(device)
     numbers = {
@@ -381,7 +421,7 @@ def memory_findings(
         ]
     return [_finding("ok", message, **numbers)]
 
-
+# %% ../../nbs/74_preflight.ipynb #a1e49afc
 def check_first_loss(loss: float, vocab_size: int, pretrained: bool) -> Optional[str]:
     """A warning when a pretrained model's first loss is far above ln(vocab) (a fresh
     output layer's loss), else None.
@@ -394,7 +434,7 @@ def check_first_loss(loss: float, vocab_size: int, pretrained: bool) -> Optional
         )
     return None
 
-# %% ../../nbs/74_preflight.ipynb #075249af
+# %% ../../nbs/74_preflight.ipynb #77ece25e
 class ChosenView:
     """A preference dataset seen through its chosen answers — `{"tokens", "labels"}`
     samples and a message transform returning the chosen conversation — so the data
@@ -416,7 +456,34 @@ class ChosenView:
         sample = self._dataset[index]
         return {"tokens": sample["chosen_input_ids"], "labels": sample["chosen_labels"]}
 
+# %% ../../nbs/74_preflight.ipynb #3d83cc8f
+def _build_missing(
+    cfg: DictConfig,
+    model: Optional[torch.nn.Module],
+    tokenizer: Any,
+    dataset: Any,
+    state_dict: Optional[dict],
+) -> tuple[Any, Any, Any, torch.nn.Module, dict]:
+    """(tokenizer, dataset, checkpointer, model, state dict) of `cfg`: those passed in,
+    the others built (a model built here trains only its adapters, if it has any).
+    """
+    tokenizer = tokenizer or config.instantiate(cfg.tokenizer)
+    dataset = (
+        dataset if dataset is not None else config.instantiate(cfg.dataset, tokenizer)
+    )
+    checkpointer = config.instantiate(cfg.checkpointer)
+    if model is None:
+        model = config.instantiate(cfg.model)
+        adapter_names = _adapter_names(model)
+        if adapter_names:  # as the LoRA recipes do: only the adapters train
+            for name, param in model.named_parameters():
+                if param.requires_grad != (name in adapter_names):
+                    param.requires_grad_(name in adapter_names)
+    if state_dict is None:
+        state_dict = checkpointer.load_checkpoint()["model"]
+    return tokenizer, dataset, checkpointer, model, state_dict
 
+# %% ../../nbs/74_preflight.ipynb #76063d9a
 def preflight_report(
     cfg: DictConfig,
     model: Optional[torch.nn.Module] = None,
@@ -430,29 +497,10 @@ def preflight_report(
     the meta device works: only shapes are read), the rest are built here. `world_size`:
     the processes FSDP2 shards over.
     """
-    tokenizer = tokenizer or config.instantiate(cfg.tokenizer)
-    dataset = (
-        dataset if dataset is not None else config.instantiate(cfg.dataset, tokenizer)
+    tokenizer, dataset, checkpointer, model, state_dict = _build_missing(
+        cfg, model, tokenizer, dataset, state_dict
     )
-    checkpointer = config.instantiate(cfg.checkpointer)
-    if model is None:
-        model = config.instantiate(cfg.model)
-        adapter_names = {
-            n
-            for n, _ in model.named_parameters()
-            if ".lora_" in n or n.endswith(".magnitude")
-        }
-        if adapter_names:  # as the LoRA recipes do: only the adapters train
-            for name, param in model.named_parameters():
-                if param.requires_grad != (name in adapter_names):
-                    param.requires_grad_(name in adapter_names)
-    if state_dict is None:
-        state_dict = checkpointer.load_checkpoint()["model"]
-    adapters = {
-        n
-        for n, _ in model.named_parameters()
-        if ".lora_" in n or n.endswith(".magnitude")
-    }
+    adapters = _adapter_names(model)
     from_scratch = (
         cfg.checkpointer.get("checkpoint_files", None) is not None
         and len(cfg.checkpointer.checkpoint_files) == 0
@@ -488,7 +536,7 @@ def preflight_report(
         ),
     }
 
-
+# %% ../../nbs/74_preflight.ipynb #0529c871
 def format_report(report: dict[str, list[dict]]) -> str:
     "The report as text: one line per finding, marked ok / WARN / ERROR."
     marks = {"ok": "  ok  ", "warn": " WARN ", "error": "ERROR "}
