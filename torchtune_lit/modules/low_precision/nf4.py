@@ -56,7 +56,7 @@ def nf4_code_book(dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """
     return (torch.round(nf4_code_values() * 1e4) / 1e4).to(dtype)
 
-# %% ../../../nbs/52_nf4.ipynb #205c6a6e
+# %% ../../../nbs/52_nf4.ipynb #a77fcfc4
 @dataclass
 class NF4Quantized:
     """A weight in NF4: packed 4-bit codes, int8 block scales with per-256-block factors
@@ -82,7 +82,7 @@ class NF4Quantized:
         )
         return bits / math.prod(self.shape)
 
-
+# %% ../../../nbs/52_nf4.ipynb #c5ddf305
 def _block_absmax(flat: torch.Tensor, block_size: int) -> torch.Tensor:
     if flat.numel() % block_size:
         raise ValueError(
@@ -131,7 +131,7 @@ def nf4_quantize(
         scaler_block_size,
     )
 
-
+# %% ../../../nbs/52_nf4.ipynb #490a1879
 def nf4_dequantize(q: NF4Quantized) -> torch.Tensor:
     "The weight that `q` represents, in the original dtype and shape."
     codes = (

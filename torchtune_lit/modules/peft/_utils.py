@@ -19,7 +19,7 @@ from .dora import DoRALinear
 from .lora import LoRALinear
 from ..transformer import TiedLinear, TransformerDecoder
 
-# %% ../../../nbs/54_peft_utils.ipynb #d77bfeba
+# %% ../../../nbs/54_peft_utils.ipynb #94933145
 class AdapterModule(Protocol):
     """A module with adapter parameters: `adapter_params()` returns their names relative
     to the module.
@@ -55,7 +55,7 @@ def get_adapter_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
         if ".lora_a." in k or ".lora_b." in k or k.endswith(".magnitude")
     }
 
-
+# %% ../../../nbs/54_peft_utils.ipynb #2e6b8df5
 def get_lora_module_names(
     lora_attn_modules: Sequence[str],
     apply_lora_to_mlp: bool,
@@ -91,7 +91,7 @@ def disable_adapter(model: nn.Module) -> Iterator[None]:
         for m, was in zip(layers, previous):
             m.disabled = was
 
-# %% ../../../nbs/54_peft_utils.ipynb #2234eb7d
+# %% ../../../nbs/54_peft_utils.ipynb #dce025d3
 @torch.no_grad()
 def get_merged_lora_ckpt(
     state_dict: dict[str, torch.Tensor], rank: int, alpha: float
@@ -122,7 +122,7 @@ def get_merged_lora_ckpt(
         merged[f"{prefix}.weight"] = adapted
     return merged
 
-
+# %% ../../../nbs/54_peft_utils.ipynb #b03cb770
 def validate_missing_and_unexpected_for_lora(
     lora_attn_modules: Sequence[str],
     apply_lora_to_mlp: bool,
@@ -172,7 +172,7 @@ def validate_missing_and_unexpected_for_lora(
             "apply_lora_to_output) against the checkpoint."
         )
 
-# %% ../../../nbs/54_peft_utils.ipynb #d8c42b95
+# %% ../../../nbs/54_peft_utils.ipynb #b933f9dd
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "output_proj")
 MLP_MODULES = ("w1", "w2", "w3")
 
@@ -222,7 +222,7 @@ def _frozen_nf4(linear: nn.Linear) -> FrozenNF4Linear:
         layer.weight.copy_(linear.weight)
     return layer
 
-
+# %% ../../../nbs/54_peft_utils.ipynb #8d24d05a
 def apply_lora(
     model: TransformerDecoder,
     lora_attn_modules: Sequence[str],
@@ -273,7 +273,7 @@ def apply_lora(
         model.output = make(model.output)
     return model
 
-
+# %% ../../../nbs/54_peft_utils.ipynb #86930bfc
 def lora_builder(
     base_builder: Callable[..., TransformerDecoder], name: str, **defaults: Any
 ) -> Callable[..., TransformerDecoder]:

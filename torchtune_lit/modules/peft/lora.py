@@ -53,12 +53,11 @@ class _FrozenBaseLoRA(torch.autograd.Function):
             grad_x = (grad @ weight).addmm_(grad_u, lora_a).view(ctx.input_shape)
         return grad_x, None, None, grad_a, grad_b, None
 
-# %% ../../../nbs/50_lora.ipynb #c0850a14
-class LoRALinear(nn.Module):
-    """`W x (+ b) + (alpha / rank) * lora_b(lora_a(dropout(x)))` with `W` frozen by the
-    recipe and `lora_b` initialised to zero. `quantize_base=True` stores `W` as torchao
-    NF4 (QLoRA). `disabled=True` computes the base layer alone. State-dict keys:
-    `weight`, `bias` (if `use_bias`), `lora_a.weight`, `lora_b.weight`.
+# %% ../../../nbs/50_lora.ipynb #253a19b8
+class _LoRAParameters(nn.Module):
+    """The parameters of a LoRA layer: the base `weight` (and `bias`) under the names of
+    the `nn.Linear` it replaces, and the adapter `lora_a`, `lora_b`. `LoRALinear` adds
+    the forward pass.
     """
 
     def __init__(
@@ -105,6 +104,14 @@ class LoRALinear(nn.Module):
     def adapter_params(self) -> list[str]:
         "Names of the adapter's parameters (what LoRA trains)."
         return ["lora_a.weight", "lora_b.weight"]
+
+# %% ../../../nbs/50_lora.ipynb #86c20be2
+class LoRALinear(_LoRAParameters):
+    """`W x (+ b) + (alpha / rank) * lora_b(lora_a(dropout(x)))` with `W` frozen by the
+    recipe and `lora_b` initialised to zero. `quantize_base=True` stores `W` as torchao
+    NF4 (QLoRA). `disabled=True` computes the base layer alone. State-dict keys:
+    `weight`, `bias` (if `use_bias`), `lora_a.weight`, `lora_b.weight`.
+    """
 
     def base_forward(self, x: torch.Tensor) -> torch.Tensor:
         "The frozen layer alone: W x + b (NF4 weights through torchao's linear_nf4)."
