@@ -30,6 +30,9 @@ def _skip(cell) -> bool:
 def execute(path: Path) -> float:
     "Execute the notebook at `path` in its own folder, write the outputs back; return the seconds it took."
     nb = read_nb(path)
+    for cell in nb.cells:  # a cell that no longer prints must not keep what it printed before
+        if cell.cell_type == "code":
+            cell.outputs, cell.execution_count = [], None
     start = time.perf_counter()
     shell = CaptureShell(path.parent)
     shell.run_all(nb, exc_stop=True, preproc=_skip)

@@ -49,9 +49,9 @@ class Recipe:
     def path(self) -> Path:
         return RECIPES_DIR / self.file_path
 
-# %% ../nbs/02_recipe_registry.ipynb #6b4fa24b
-def get_all_recipes() -> list[Recipe]:
-    "Every built-in recipe with its configs, in the order `tunelit ls` prints them."
+# %% ../nbs/02_recipe_registry.ipynb #acae54e37e7d407bbb7b55eff062a284
+def _full_finetune_recipes() -> list[Recipe]:
+    "Full fine-tuning: every weight trains, on one device or several."
     return [
         Recipe(
             name="full_finetune_single_device",
@@ -74,6 +74,12 @@ def get_all_recipes() -> list[Recipe]:
             ],
             supports_distributed=True,
         ),
+    ]
+
+# %% ../nbs/02_recipe_registry.ipynb #8dd0d8092fe74a7c96281538738b07e2
+def _lora_recipes() -> list[Recipe]:
+    "LoRA, DoRA and QLoRA fine-tuning, on one device or several."
+    return [
         Recipe(
             name="lora_finetune_single_device",
             file_path="lora_finetune_single_device.py",
@@ -104,6 +110,12 @@ def get_all_recipes() -> list[Recipe]:
             ],
             supports_distributed=True,
         ),
+    ]
+
+# %% ../nbs/02_recipe_registry.ipynb #8edb47106e1a46a883d545849b8ab81b
+def _more_recipes() -> list[Recipe]:
+    "Preference tuning, distillation, evaluation, quantization and generation."
+    return [
         Recipe(
             name="lora_dpo_single_device",
             file_path="lora_dpo_single_device.py",
@@ -144,7 +156,12 @@ def get_all_recipes() -> list[Recipe]:
         ),
     ]
 
-# %% ../nbs/02_recipe_registry.ipynb #8be30c3e
+# %% ../nbs/02_recipe_registry.ipynb #8763a12b2bbd4a93a75aff182afb95dc
+def get_all_recipes() -> list[Recipe]:
+    "Every built-in recipe with its configs, in the order `tunelit ls` prints them."
+    return _full_finetune_recipes() + _lora_recipes() + _more_recipes()
+
+# %% ../nbs/02_recipe_registry.ipynb #b118ea5561624da68c537baed56e602f
 class RegistryError(ValueError):
     """An unknown recipe or config name; the message lists the closest names and how to
     see all of them.
@@ -169,7 +186,7 @@ def find_config(name: str) -> tuple[Config, Recipe] | None:
                 return config, recipe
     return None
 
-
+# %% ../nbs/02_recipe_registry.ipynb #59bbdb311c014d738909a11f9e486628
 def resolve_recipe_path(name_or_path: str) -> Path:
     "The file of a built-in recipe name, or of a path to a recipe `.py` file."
     recipe = find_recipe(name_or_path)

@@ -26,7 +26,7 @@ class ConfigError(ValueError):
     names the key and the fix.
     """
 
-# %% ../nbs/01_config.ipynb #04bfe618
+# %% ../nbs/01_config.ipynb #e6f13f80
 def _closest(name: str, candidates, n: int = 3) -> str:
     """A ' Did you mean ...?' hint listing the closest public candidate names
     (case-insensitive), or ''.
@@ -39,7 +39,7 @@ def _closest(name: str, candidates, n: int = 3) -> str:
         else ""
     )
 
-
+# %% ../nbs/01_config.ipynb #24fc4a3a
 def _import_longest_prefix(parts: list[str], path: str, key: str):
     """Import the longest module prefix of `parts`; return (module, number of parts
     used).
@@ -69,7 +69,7 @@ def _import_longest_prefix(parts: list[str], path: str, key: str):
         "such as 'torch.optim.AdamW'."
     )
 
-
+# %% ../nbs/01_config.ipynb #84b3f3a7
 def get_component(path: str, key: str = "<config>") -> Callable:
     """The object that the dotted `path` names (e.g. 'torch.optim.AdamW'); `key` is the
     config key, used in errors.
@@ -139,7 +139,7 @@ def _check_arguments(
     except TypeError as e:
         raise ConfigError(f"{key}: the arguments do not fit {path}{sig}: {e}.") from e
 
-# %% ../nbs/01_config.ipynb #7df7bd7e
+# %% ../nbs/01_config.ipynb #cec5cdf8
 def _to_container(node: Any, key: str) -> Any:
     """Plain Python containers from an OmegaConf node, with interpolations resolved;
     errors name the key.
@@ -155,6 +155,20 @@ def _to_container(node: Any, key: str) -> Any:
     return node
 
 
+def _key_of(node: Any) -> str:
+    """The dotted key of an OmegaConf node inside its parent config (for messages), or
+    '<config>'.
+    """
+    if isinstance(node, (DictConfig, ListConfig)):
+        try:
+            full = node._get_full_key(None)
+            if full:
+                return str(full)
+        except Exception:
+            pass
+    return "<config>"
+
+# %% ../nbs/01_config.ipynb #917a003d
 def _build(value: Any, key: str) -> Any:
     """Build nested components inside `value` (dicts with `_component_`), depth first;
     leave other values as they are.
@@ -179,7 +193,7 @@ def _instantiate_dict(node: dict, key: str, args: tuple = ()) -> Any:
         e.add_note(f"(raised while instantiating config key {key!r}: {path})")
         raise
 
-
+# %% ../nbs/01_config.ipynb #e6e1b09c
 def instantiate(config: DictConfig | dict | None, *args: Any, **kwargs: Any) -> Any:
     """Build the object that `config._component_` names, with the config's other keys as
     keyword arguments.
@@ -207,21 +221,7 @@ def instantiate(config: DictConfig | dict | None, *args: Any, **kwargs: Any) -> 
     node.update(kwargs)
     return _instantiate_dict(node, key, args)
 
-
-def _key_of(node: Any) -> str:
-    """The dotted key of an OmegaConf node inside its parent config (for messages), or
-    '<config>'.
-    """
-    if isinstance(node, (DictConfig, ListConfig)):
-        try:
-            full = node._get_full_key(None)
-            if full:
-                return str(full)
-        except Exception:
-            pass
-    return "<config>"
-
-# %% ../nbs/01_config.ipynb #d2f4c1ba
+# %% ../nbs/01_config.ipynb #6c0d4d80
 def _parse_value(text: str) -> Any:
     """A command-line override value read as YAML ('4' -> 4, 'null' -> None, '[1, 2]' ->
     list, '1e-4' -> 0.0001).
@@ -243,7 +243,7 @@ def _parse_value(text: str) -> Any:
             pass
     return value
 
-
+# %% ../nbs/01_config.ipynb #490d16a0
 _OVERRIDE_HELP = (
     "Overrides look like 'batch_size=4', 'optimizer.lr=1e-4', "
     "'tokenizer.max_seq_len=null' or '~key' to delete a key."

@@ -106,7 +106,7 @@ def cmd_preflight(args: argparse.Namespace) -> int:
         preflight.save_report(report, cfg.output_dir)
     return 1 if any(f["level"] == "error" for fs in report.values() for f in fs) else 0
 
-# %% ../../nbs/03_cli.ipynb #06e718f5
+# %% ../../nbs/03_cli.ipynb #9a63283cbaf04dbcab1f6479b197f3a8
 TORCHRUN_FLAGS = {"--standalone"}  # torchrun options that take no value
 
 
@@ -140,7 +140,7 @@ def _resolve_recipe_args(recipe_args: list[str]) -> list[str]:
     path = Path(config) if Path(config).is_file() else resolve_config_path(config)
     return ["--config", str(path), *overrides]
 
-
+# %% ../../nbs/03_cli.ipynb #8edb47106e1a46a883d545849b8ab81b
 SANITY_OVERRIDES = [
     "sanity_check=8",
     "batch_size=8",
@@ -178,7 +178,7 @@ def sanity_verdict(log_path: Path) -> tuple[bool, str]:
     )
     return ok, verdict
 
-
+# %% ../../nbs/03_cli.ipynb #7623eae2785240b9bd12b16a66d81610
 def cmd_run(args: argparse.Namespace) -> int:
     "Run a recipe in this process, or under torchrun when launcher options are given."
     run_args = list(args.run_args)
@@ -278,27 +278,9 @@ def cmd_download(args: argparse.Namespace) -> int:
     print(f"Downloaded {args.repo_id} to {path}")
     return 0
 
-# %% ../../nbs/03_cli.ipynb #79e130e4
-EXPECTED_ERRORS = (
-    ValueError,
-    FileExistsError,
-    FileNotFoundError,
-    PermissionError,
-    ConnectionError,
-)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="tunelit",
-        description="Fine-tune LLMs with literate PyTorch recipes.",
-        epilog="Run 'tunelit COMMAND -h' for a command's options.",
-    )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    p = sub.add_parser("ls", help="list built-in recipes and configs")
-    p.set_defaults(func=cmd_ls)
-
+# %% ../../nbs/03_cli.ipynb #cceb056f
+def _add_cp_parser(sub: argparse._SubParsersAction) -> None:
+    "`tunelit cp NAME DESTINATION [--force] [--make-parents]`."
     p = sub.add_parser("cp", help="copy a built-in recipe or config for editing")
     p.add_argument(
         "name",
@@ -312,16 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_cp)
 
-    p = sub.add_parser(
-        "run",
-        help="run a recipe (add torchrun options before the "
-        "recipe for several processes)",
-        usage="tunelit run [--nproc_per_node N] [--nnodes N] [...] "
-        "RECIPE --config CONFIG [key=value ...]",
-    )
-    p.add_argument("run_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-    p.set_defaults(func=cmd_run)
 
+def _add_config_parsers(sub: argparse._SubParsersAction) -> None:
+    "`tunelit validate | cat | preflight --config CONFIG [overrides]`."
     for name, func, help_ in [
         ("validate", cmd_validate, "check a config's components and arguments"),
         ("cat", cmd_cat, "print a config with overrides applied"),
@@ -344,6 +319,9 @@ def build_parser() -> argparse.ArgumentParser:
             )
         p.set_defaults(func=func)
 
+# %% ../../nbs/03_cli.ipynb #9bd86079
+def _add_download_parser(sub: argparse._SubParsersAction) -> None:
+    "`tunelit download REPO_ID [--output-dir] [--allow/ignore-patterns] [--hf-token]`."
     p = sub.add_parser("download", help="download a model from the Hugging Face Hub")
     p.add_argument("repo_id", help="e.g. meta-llama/Llama-3.2-1B-Instruct")
     p.add_argument("--output-dir", help="folder to download into (default /tmp/<name>)")
@@ -365,7 +343,41 @@ def build_parser() -> argparse.ArgumentParser:
         help="access token (default: the HF_TOKEN environment variable)",
     )
     p.set_defaults(func=cmd_download)
+
+# %% ../../nbs/03_cli.ipynb #938c804e27f84196a10c8828c723f798
+def build_parser() -> argparse.ArgumentParser:
+    "The `tunelit` parser: one subcommand per verb, each calling its `cmd_*` function."
+    parser = argparse.ArgumentParser(
+        prog="tunelit",
+        description="Fine-tune LLMs with literate PyTorch recipes.",
+        epilog="Run 'tunelit COMMAND -h' for a command's options.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("ls", help="list built-in recipes and configs")
+    p.set_defaults(func=cmd_ls)
+    _add_cp_parser(sub)
+    p = sub.add_parser(
+        "run",
+        help="run a recipe (add torchrun options before the "
+        "recipe for several processes)",
+        usage="tunelit run [--nproc_per_node N] [--nnodes N] [...] "
+        "RECIPE --config CONFIG [key=value ...]",
+    )
+    p.add_argument("run_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    p.set_defaults(func=cmd_run)
+    _add_config_parsers(sub)
+    _add_download_parser(sub)
     return parser
+
+# %% ../../nbs/03_cli.ipynb #b43b363d81ae4b689946ece5c682cd59
+EXPECTED_ERRORS = (
+    ValueError,
+    FileExistsError,
+    FileNotFoundError,
+    PermissionError,
+    ConnectionError,
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -15,17 +15,13 @@ from torch import nn
 # %% ../../nbs/14_attention.ipynb #e7413b2d
 from .kv_cache import KVCache
 
-# %% ../../nbs/14_attention.ipynb #92ab8fa2
+# %% ../../nbs/14_attention.ipynb #efc4a178
 class MultiHeadAttention(nn.Module):
     """Multi-head attention covering MHA, GQA and MQA (`num_heads` a multiple of
     `num_kv_heads`).
 
     The projections, positional embedding and optional per-head `q_norm`/`k_norm` are
-    given as modules. `forward(x, y=None, *, mask=None, input_pos=None)`: `x` is [batch,
-    seq, embed_dim]; keys and values come from `y` when given, else from `x`; `mask` is
-    boolean [batch, seq, seq_kv], True where a query may attend (default: causal);
-    `input_pos` holds token positions for RoPE and for causality under a KV cache or
-    sliding window. `scale` replaces 1/sqrt(head_dim); `softcapping` applies
+    given as modules. `scale` replaces 1/sqrt(head_dim); `softcapping` applies
     c*tanh(scores/c); `sliding_window` limits how far back a query may look.
     """
 
@@ -60,162 +56,193 @@ class MultiHeadAttention(nn.Module):
             )
         if not 0.0 <= attn_dropout <= 1.0:
             raise ValueError(f"attn_dropout must be in [0, 1], got {attn_dropout}.")
-        self.embed_dim, self.num_heads, self.num_kv_heads, self.head_dim = (
-            embed_dim,
-            num_heads,
-            num_kv_heads,
-            head_dim,
-        )
-        self.max_seq_len, self.is_causal, self.attn_dropout = (
-            max_seq_len,
-            is_causal,
-            attn_dropout,
-        )
-        self.scale, self.softcapping, self.sliding_window = (
-            scale,
-            softcapping,
-            sliding_window,
-        )
-        self.q_proj, self.k_proj, self.v_proj, self.output_proj = (
-            q_proj,
-            k_proj,
-            v_proj,
-            output_proj,
-        )
-        self.pos_embeddings, self.q_norm, self.k_norm, self.kv_cache = (
-            pos_embeddings,
-            q_norm,
-            k_norm,
-            kv_cache,
-        )
+        self.embed_dim = embed_dim
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.max_seq_len = max_seq_len
+        self.is_causal = is_causal
+        self.attn_dropout = attn_dropout
+        self.scale = scale
+        self.softcapping = softcapping
+        self.sliding_window = sliding_window
+        self.q_proj = q_proj
+        self.k_proj = k_proj
+        self.v_proj = v_proj
+        self.output_proj = output_proj
+        self.pos_embeddings = pos_embeddings
+        self.q_norm = q_norm
+        self.k_norm = k_norm
+        self.kv_cache = kv_cache
 
-    def setup_cache(
-        self, batch_size: int, dtype: torch.dtype, max_seq_len: int
-    ) -> None:
-        "Give this layer a KV cache for incremental decoding."
-        device = self.q_proj.weight.device if hasattr(self.q_proj, "weight") else None
-        self.kv_cache = KVCache(
-            batch_size, max_seq_len, self.num_kv_heads, self.head_dim, dtype
-        ).to(device)
+# %% ../../nbs/14_attention.ipynb #c9c960ce
+def _setup_cache(
+    self: "MultiHeadAttention", batch_size: int, dtype: torch.dtype, max_seq_len: int
+) -> None:
+    "Give this layer a KV cache for incremental decoding."
+    device = self.q_proj.weight.device if hasattr(self.q_proj, "weight") else None
+    self.kv_cache = KVCache(
+        batch_size, max_seq_len, self.num_kv_heads, self.head_dim, dtype
+    ).to(device)
 
-    def reset_cache(self) -> None:
-        if self.kv_cache is None:
-            raise RuntimeError(
-                "reset_cache called but this layer has no KV cache; "
-                "call setup_cache first."
-            )
-        self.kv_cache.reset()
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        y: Optional[torch.Tensor] = None,
-        *,
-        mask: Optional[torch.Tensor] = None,
-        input_pos: Optional[torch.Tensor] = None,
-    ) -> torch.Tensor:
-        b, s, _ = x.shape
-        y = x if y is None else y
-        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)
-        k = self.k_proj(y).view(b, y.shape[1], self.num_kv_heads, self.head_dim)
-        v = self.v_proj(y).view(b, y.shape[1], self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        positions = input_pos
-        # decoding: continue after what the cache holds
-        if positions is None and self.kv_cache is not None:
-            positions = torch.arange(
-                self.kv_cache.size, self.kv_cache.size + s, device=x.device
-            )
-        if self.pos_embeddings is not None:
-            q = self.pos_embeddings(q, input_pos=positions)
-            k = self.pos_embeddings(k, input_pos=positions)
-        # [b, heads, seq, head_dim]
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        if self.kv_cache is not None:
-            k, v = self.kv_cache.update(k, v)
-        mask = self._attention_mask(mask, positions, s, k.shape[2], x.device)
-        group = self.num_heads // self.num_kv_heads
-        dropout = self.attn_dropout if self.training else 0.0
-        # GQA inside SDPA: no repeated k/v in memory
-        if self.softcapping is None:
-            compute = (
-                sdpa_compute_dtype(q.dtype, q.device, k.shape[2], self.head_dim)
-                if mask is None
-                else q.dtype
-            )
-            out = F.scaled_dot_product_attention(
-                q.to(compute),
-                k.to(compute),
-                v.to(compute),
-                attn_mask=None if mask is None else mask[:, None],
-                dropout_p=dropout,
-                is_causal=self.is_causal and mask is None,
-                scale=self.scale,
-                enable_gqa=group > 1,
-            ).to(q.dtype)
-        else:
-            # GQA: each kv head serves `group` query heads
-            if group > 1:
-                k = k.repeat_interleave(group, dim=1)
-                v = v.repeat_interleave(group, dim=1)
-            out = self._explicit_attention(q, k, v, mask, dropout)
-        return self.output_proj(
-            out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim)
+def _reset_cache(self: "MultiHeadAttention") -> None:
+    if self.kv_cache is None:
+        raise RuntimeError(
+            "reset_cache called but this layer has no KV cache; call setup_cache first."
         )
+    self.kv_cache.reset()
 
-    def _attention_mask(
-        self,
-        mask: Optional[torch.Tensor],
-        positions: Optional[torch.Tensor],
-        s_q: int,
-        s_kv: int,
-        device: torch.device,
-    ) -> Optional[torch.Tensor]:
-        """The boolean [b|1, s_q, s_kv] mask to use, or None when SDPA's own causal (or
-        no) masking is exact.
-        """
-        if (
-            mask is None
-            and self.kv_cache is None
-            and self.sliding_window is None
-            and self.softcapping is None
-        ):
-            return None
-        q_pos = positions if positions is not None else torch.arange(s_q, device=device)
-        q_pos = q_pos.view(-1, s_q)  # [b|1, s_q]
-        if self.kv_cache is None and positions is not None and s_kv == s_q:
-            # packed rows: keys share the queries' positions
-            kv_pos = q_pos
-        else:
-            kv_pos = torch.arange(s_kv, device=device).view(1, s_kv)
-        # query position - key position
-        distance = q_pos[:, :, None] - kv_pos[:, None, :]
-        if mask is None:
-            mask = (
-                distance >= 0
-                if self.is_causal
-                else torch.ones_like(distance, dtype=torch.bool)
-            )
-        if self.sliding_window is not None:
-            mask = mask & (distance < self.sliding_window)
-        return mask
 
-    def _explicit_attention(self, q, k, v, mask, dropout: float) -> torch.Tensor:
-        """softmax(cap(q k^T * scale) + mask) v, the softmax in fp32: the path for
-        soft-capped scores.
-        """
-        scores = (q @ k.transpose(-1, -2)) * (
-            self.scale if self.scale is not None else self.head_dim**-0.5
+MultiHeadAttention.setup_cache = _setup_cache
+MultiHeadAttention.reset_cache = _reset_cache
+
+# %% ../../nbs/14_attention.ipynb #5d8ebd6e
+def _attention_mask(
+    self: "MultiHeadAttention",
+    mask: Optional[torch.Tensor],
+    positions: Optional[torch.Tensor],
+    s_q: int,
+    s_kv: int,
+    device: torch.device,
+) -> Optional[torch.Tensor]:
+    """The boolean [b|1, s_q, s_kv] mask to use, or None when SDPA's own causal (or
+    no) masking is exact.
+    """
+    if (
+        mask is None
+        and self.kv_cache is None
+        and self.sliding_window is None
+        and self.softcapping is None
+    ):
+        return None
+    q_pos = positions if positions is not None else torch.arange(s_q, device=device)
+    q_pos = q_pos.view(-1, s_q)  # [b|1, s_q]
+    if self.kv_cache is None and positions is not None and s_kv == s_q:
+        # packed rows: keys share the queries' positions
+        kv_pos = q_pos
+    else:
+        kv_pos = torch.arange(s_kv, device=device).view(1, s_kv)
+    # query position - key position
+    distance = q_pos[:, :, None] - kv_pos[:, None, :]
+    if mask is None:
+        mask = (
+            distance >= 0
+            if self.is_causal
+            else torch.ones_like(distance, dtype=torch.bool)
         )
-        if self.softcapping is not None:
-            scores = torch.tanh(scores / self.softcapping) * self.softcapping
-        if mask is not None:
-            scores = scores.masked_fill(~mask[:, None], float("-inf"))
-        probs = F.dropout(
-            scores.float().softmax(-1).type_as(q), p=dropout, training=dropout > 0
+    if self.sliding_window is not None:
+        mask = mask & (distance < self.sliding_window)
+    return mask
+
+
+MultiHeadAttention._attention_mask = _attention_mask
+
+# %% ../../nbs/14_attention.ipynb #dc630d93
+def _explicit_attention(
+    self: "MultiHeadAttention", q, k, v, mask, dropout: float
+) -> torch.Tensor:
+    """softmax(cap(q k^T * scale) + mask) v, the softmax in fp32: the path for
+    soft-capped scores.
+    """
+    scores = (q @ k.transpose(-1, -2)) * (
+        self.scale if self.scale is not None else self.head_dim**-0.5
+    )
+    if self.softcapping is not None:
+        scores = torch.tanh(scores / self.softcapping) * self.softcapping
+    if mask is not None:
+        scores = scores.masked_fill(~mask[:, None], float("-inf"))
+    probs = F.dropout(
+        scores.float().softmax(-1).type_as(q), p=dropout, training=dropout > 0
+    )
+    return probs @ v
+
+
+MultiHeadAttention._explicit_attention = _explicit_attention
+
+# %% ../../nbs/14_attention.ipynb #d340d2c8
+def _attend(
+    self: "MultiHeadAttention",
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: Optional[torch.Tensor],
+) -> torch.Tensor:
+    """Attention of q [b, heads, s, d] over k, v [b, kv_heads, s_kv, d]: SDPA (GQA
+    inside), or the explicit path when the scores are soft-capped.
+    """
+    group = self.num_heads // self.num_kv_heads
+    dropout = self.attn_dropout if self.training else 0.0
+    # GQA inside SDPA: no repeated k/v in memory
+    if self.softcapping is None:
+        compute = (
+            sdpa_compute_dtype(q.dtype, q.device, k.shape[2], self.head_dim)
+            if mask is None
+            else q.dtype
         )
-        return probs @ v
+        out = F.scaled_dot_product_attention(
+            q.to(compute),
+            k.to(compute),
+            v.to(compute),
+            attn_mask=None if mask is None else mask[:, None],
+            dropout_p=dropout,
+            is_causal=self.is_causal and mask is None,
+            scale=self.scale,
+            enable_gqa=group > 1,
+        ).to(q.dtype)
+    else:
+        # GQA: each kv head serves `group` query heads
+        if group > 1:
+            k = k.repeat_interleave(group, dim=1)
+            v = v.repeat_interleave(group, dim=1)
+        out = self._explicit_attention(q, k, v, mask, dropout)
+    return out
+
+
+MultiHeadAttention._attend = _attend
+
+# %% ../../nbs/14_attention.ipynb #3209918b
+def _forward(
+    self: "MultiHeadAttention",
+    x: torch.Tensor,
+    y: Optional[torch.Tensor] = None,
+    *,
+    mask: Optional[torch.Tensor] = None,
+    input_pos: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """`x` is [batch, seq, embed_dim]; keys and values come from `y` when given, else
+    from `x`. `mask` is boolean [batch, seq, seq_kv], True where a query may attend
+    (default: causal); `input_pos` holds token positions for RoPE and for causality
+    under a KV cache or sliding window.
+    """
+    b, s, _ = x.shape
+    y = x if y is None else y
+    q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)
+    k = self.k_proj(y).view(b, y.shape[1], self.num_kv_heads, self.head_dim)
+    v = self.v_proj(y).view(b, y.shape[1], self.num_kv_heads, self.head_dim)
+    if self.q_norm is not None:
+        q, k = self.q_norm(q), self.k_norm(k)
+    positions = input_pos
+    # decoding: continue after what the cache holds
+    if positions is None and self.kv_cache is not None:
+        positions = torch.arange(
+            self.kv_cache.size, self.kv_cache.size + s, device=x.device
+        )
+    if self.pos_embeddings is not None:
+        q = self.pos_embeddings(q, input_pos=positions)
+        k = self.pos_embeddings(k, input_pos=positions)
+    # [b, heads, seq, head_dim]
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    if self.kv_cache is not None:
+        k, v = self.kv_cache.update(k, v)
+    mask = self._attention_mask(mask, positions, s, k.shape[2], x.device)
+    out = self._attend(q, k, v, mask)
+    return self.output_proj(
+        out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim)
+    )
+
+
+MultiHeadAttention.forward = _forward
 
 # %% ../../nbs/14_attention.ipynb #a044ab0d
 CPU_FP32_ATTENTION_MAX_SEQ = 256  # up to here (and ...

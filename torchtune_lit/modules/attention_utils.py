@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 
 import torch
 
-# %% ../../nbs/12_attention_utils.ipynb #f15981fe
+# %% ../../nbs/12_attention_utils.ipynb #d32c2101
 def causal_mask(seq_len: int, device: Optional[torch.device] = None) -> torch.Tensor:
     "[seq_len, seq_len] boolean mask, True where key position <= query position."
     return torch.tril(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device))
@@ -48,7 +48,7 @@ def get_position_ids_from_padding_mask(padding_mask: torch.Tensor) -> torch.Tens
     """
     return ((padding_mask.cumsum(-1) - 1) * padding_mask).long()
 
-
+# %% ../../nbs/12_attention_utils.ipynb #ceecd9d1
 def create_block_causal_mask(seq_lens: Sequence[Sequence[int]]) -> torch.Tensor:
     """Block-causal mask [batch, total, total] for packed rows: row b holds samples of
     lengths `seq_lens[b]`.
