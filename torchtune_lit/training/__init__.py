@@ -58,6 +58,7 @@ from torchtune_lit.training.checkpointing import (
     load_model_state_dict,
 )
 
+# %% ../../nbs/79_training_map.ipynb #221ee75d
 _all_ = [
     "memory",
     "OffloadActivations",

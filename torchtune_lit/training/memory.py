@@ -59,7 +59,7 @@ def layer_activation_bytes_per_token(
     adapted = (*qkv, attn.output_proj, mlp.w1, mlp.w2, mlp.w3)
     return total + sum(b * _lora_rank(m) for m in adapted)
 
-# %% ../../nbs/76_memory.ipynb #646eeca5
+# %% ../../nbs/76_memory.ipynb #c63eba62
 def _parameter_bytes(model: nn.Module, bytes_per_element: int) -> tuple[float, int]:
     "(bytes of all weights, number of trainable parameters), NF4 bases at 4.127 bits."
     from torchtune_lit.modules.low_precision.nf4 import FrozenNF4Linear, NF4Tensor
@@ -81,7 +81,7 @@ def _parameter_bytes(model: nn.Module, bytes_per_element: int) -> tuple[float, i
         trainable += p.numel() if p.requires_grad else 0
     return weights, trainable
 
-
+# %% ../../nbs/76_memory.ipynb #d25d0178
 @dataclass
 class MemoryEstimate:
     """Predicted bytes of each term of a training step's peak; `total` is the peak,
@@ -136,7 +136,7 @@ class MemoryEstimate:
             f"gradients {self.gradients / gib:.2f}); largest: {self.largest}"
         )
 
-
+# %% ../../nbs/76_memory.ipynb #816e9047
 def estimate_training_memory(
     model: nn.Module,
     batch_size: int,
@@ -308,7 +308,7 @@ def compile_loss(loss_fn: Callable, backend: str = "inductor") -> Callable:
     _check_compiler(backend)
     return torch.compile(loss_fn, backend=backend)
 
-# %% ../../nbs/76_memory.ipynb #cb615f61
+# %% ../../nbs/76_memory.ipynb #e762c202
 class PeakMemory(TorchDispatchMode):
     """Track the bytes of tensor storages created inside the context; `peak` is the most
     alive at once.
@@ -349,7 +349,7 @@ class PeakMemory(TorchDispatchMode):
                 self._track(value)
         return out
 
-
+# %% ../../nbs/76_memory.ipynb #e05cff7a
 def _plain_tensors(tensors: Iterable[Any]) -> Iterable[torch.Tensor]:
     "Tensors, with a wrapper subclass (NF4) replaced by the plain tensors it holds."
     for t in tensors:

@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 import torch
 
-# %% ../../nbs/75_metric_logging.ipynb #9327dd1a
+# %% ../../nbs/75_metric_logging.ipynb #91ef581f
 def _require(package: str, logger: str):
     try:
         return __import__(package)
@@ -37,7 +37,7 @@ class StdoutLogger:
     def close(self) -> None:
         pass
 
-
+# %% ../../nbs/75_metric_logging.ipynb #ac5973a9
 class TensorBoardLogger:
     "Scalars for TensorBoard under `log_dir` (needs the tensorboard package)."
 
@@ -55,7 +55,7 @@ class TensorBoardLogger:
     def close(self) -> None:
         self.writer.close()
 
-
+# %% ../../nbs/75_metric_logging.ipynb #5a2fab34
 class WandBLogger:
     """Weights & Biases run (needs the wandb package; WANDB_API_KEY from the
     environment, never logged).
