@@ -45,6 +45,74 @@ def sample(
     probs = logits.softmax(-1)
     return torch.multinomial(probs, num_samples=1, generator=rng).squeeze(-1)
 
+# %% ../../nbs/90_generation.ipynb #f5440368
+def _left_padded(
+    prompt_tokens: Union[torch.Tensor, Sequence[Sequence[int]]],
+    pad_id: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts (a [seq] / [batch, seq] tensor or token lists of any lengths) -> the
+    left-padded tokens [batch, seq] and the mask of real tokens (True) among them.
+    """
+    if isinstance(prompt_tokens, torch.Tensor) and prompt_tokens.dim() == 1:
+        prompt_tokens = prompt_tokens[None]
+    prompts = [torch.as_tensor(p, dtype=torch.long) for p in prompt_tokens]
+    tokens = left_pad_sequence(prompts, pad_id).to(device)
+    padding = left_pad_sequence(
+        [torch.ones(len(p), dtype=torch.bool) for p in prompts], False
+    ).to(device)
+    return tokens, padding
+
+# %% ../../nbs/90_generation.ipynb #857d6c6f
+def _decode(
+    model: torch.nn.Module,
+    tokens: torch.Tensor,
+    padding: torch.Tensor,
+    max_new_tokens: int,
+    sampling: dict,
+    stop_tokens: Optional[Sequence[int]],
+    pad_id: int,
+) -> list[torch.Tensor]:
+    """The new token of each row [batch], step by step: a prefill over the left-padded
+    prompt, then one column a step through the KV cache.
+    """
+    device = tokens.device
+    batch, prompt_len = tokens.shape
+    total = prompt_len + max_new_tokens
+    visible = torch.cat(
+        [
+            padding,
+            torch.zeros(batch, max_new_tokens, dtype=torch.bool, device=device),
+        ],
+        dim=1,
+    )
+    positions = get_position_ids_from_padding_mask(padding)
+    logits = model(
+        tokens,
+        mask=get_causal_mask_from_padding_mask(padding, target_seq_len=total),
+        input_pos=positions,
+    )
+    next_pos = positions[:, -1] + 1
+    stop = torch.tensor(list(stop_tokens or []), device=device)
+    done = torch.zeros(batch, dtype=torch.bool, device=device)
+    generated = []
+    for step in range(max_new_tokens):
+        token = sample(logits[:, -1], **sampling)
+        token = torch.where(done, torch.full_like(token, pad_id), token)
+        generated.append(token)
+        done |= torch.isin(token, stop)
+        if done.all() or step == max_new_tokens - 1:
+            break
+        column = prompt_len + step
+        visible[:, column] = True
+        mask = (
+            visible[:, None, :]
+            & (torch.arange(total, device=device) <= column)[None, None, :]
+        )
+        logits = model(token[:, None], mask=mask, input_pos=next_pos[:, None])
+        next_pos = next_pos + 1
+    return generated
+
 # %% ../../nbs/90_generation.ipynb #46a73a29
 @torch.no_grad()
 def generate(
@@ -62,14 +130,8 @@ def generate(
     or a list of token lists of any lengths); returns the new tokens of each prompt,
     ending at (and including) a stop token when one is produced.
     """
-    if isinstance(prompt_tokens, torch.Tensor) and prompt_tokens.dim() == 1:
-        prompt_tokens = prompt_tokens[None]
-    prompts = [torch.as_tensor(p, dtype=torch.long) for p in prompt_tokens]
     device = next(model.parameters()).device
-    tokens = left_pad_sequence(prompts, pad_id).to(device)
-    padding = left_pad_sequence(
-        [torch.ones(len(p), dtype=torch.bool) for p in prompts], False
-    ).to(device)
+    tokens, padding = _left_padded(prompt_tokens, pad_id, device)
     batch, prompt_len = tokens.shape
     total = prompt_len + max_new_tokens
     if total > model.max_seq_len:
@@ -82,43 +144,19 @@ def generate(
     was_training = model.training
     model.eval()
     model.setup_caches(batch_size=batch, dtype=dtype, decoder_max_seq_len=total)
+    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, rng=rng)
     try:
-        visible = torch.cat(
-            [
-                padding,
-                torch.zeros(batch, max_new_tokens, dtype=torch.bool, device=device),
-            ],
-            dim=1,
+        generated = _decode(
+            model, tokens, padding, max_new_tokens, sampling, stop_tokens, pad_id
         )
-        positions = get_position_ids_from_padding_mask(padding)
-        logits = model(
-            tokens,
-            mask=get_causal_mask_from_padding_mask(padding, target_seq_len=total),
-            input_pos=positions,
-        )
-        next_pos = positions[:, -1] + 1
-        stop = torch.tensor(list(stop_tokens or []), device=device)
-        done = torch.zeros(batch, dtype=torch.bool, device=device)
-        generated = []
-        for step in range(max_new_tokens):
-            token = sample(logits[:, -1], temperature, top_k, top_p, rng)
-            token = torch.where(done, torch.full_like(token, pad_id), token)
-            generated.append(token)
-            done |= torch.isin(token, stop)
-            if done.all() or step == max_new_tokens - 1:
-                break
-            column = prompt_len + step
-            visible[:, column] = True
-            mask = (
-                visible[:, None, :]
-                & (torch.arange(total, device=device) <= column)[None, None, :]
-            )
-            logits = model(token[:, None], mask=mask, input_pos=next_pos[:, None])
-            next_pos = next_pos + 1
     finally:
         model.remove_caches()
         model.train(was_training)
-    out = torch.stack(generated, dim=1).tolist() if generated else [[] for _ in prompts]
+    out = (
+        torch.stack(generated, dim=1).tolist()
+        if generated
+        else [[] for _ in range(batch)]
+    )
     return [_cut_at_stop(row, set(stop_tokens or [])) for row in out]
 
 

@@ -20,7 +20,7 @@ from torchtune_lit.modules.position_embeddings import (
 )
 from ..modules.transformer import TransformerDecoder
 
-# %% ../../nbs/31_hf_config.ipynb #3ae29ede
+# %% ../../nbs/31_hf_config.ipynb #6562b997
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gemma2")
 # transformers' config defaults
 _TIED_BY_DEFAULT = {"llama": False, "mistral": False, "qwen2": False, "gemma2": True}
@@ -43,7 +43,7 @@ def read_hf_config(path_or_dict: Union[str, Path, dict]) -> dict[str, Any]:
         )
     return json.loads(path.read_text())
 
-
+# %% ../../nbs/31_hf_config.ipynb #7078df15
 def rope_from_hf_config(
     cfg: dict[str, Any], head_dim: int, max_seq_len: int
 ) -> nn.Module:
@@ -72,7 +72,7 @@ def rope_from_hf_config(
         "(supported: 'default', 'llama3')."
     )
 
-
+# %% ../../nbs/31_hf_config.ipynb #9212b20d
 def _family_settings(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
     "build_decoder's family switches for this config."
     layers = cfg["num_hidden_layers"]
@@ -109,9 +109,14 @@ def _family_settings(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
         return dict(attn_bias=True)
     if model_type == "mistral":
         return dict(sliding_window=cfg.get("sliding_window"))
-    return dict(attn_bias=bool(cfg.get("attention_bias", False)))
+    if cfg.get("attention_bias"):
+        raise NotImplementedError(
+            "llama with attention_bias=true is not supported yet: transformers then "
+            "puts a bias on o_proj too, which build_decoder's attention does not have."
+        )
+    return {}
 
-
+# %% ../../nbs/31_hf_config.ipynb #cd5c7037
 def build_from_hf_config(path_or_dict: Union[str, Path, dict]) -> TransformerDecoder:
     """The decoder that a Hugging Face `config.json` (path, folder or dict) describes:
     Llama 3.x, Mistral, Qwen 2/2.5 or Gemma 2.

@@ -34,7 +34,7 @@ def permute_meta_to_hf(t: torch.Tensor, num_heads: int, head_dim: int) -> torch.
         .reshape(num_heads * head_dim, *rest)
     )
 
-# %% ../../nbs/30_convert_weights.ipynb #386683f6
+# %% ../../nbs/30_convert_weights.ipynb #00b06ff7
 _COMMON = {
     "model.embed_tokens.weight": "tok_embeddings.weight",
     "model.norm.weight": "norm.scale",
@@ -66,6 +66,8 @@ KEY_MAPS = {
     },
 }
 KEY_MAPS["qwen2"] = KEY_MAPS["mistral"] = KEY_MAPS["llama"]
+
+# %% ../../nbs/30_convert_weights.ipynb #788d2388
 _IGNORED_HF_KEYS = re.compile(r".*rotary_emb\.inv_freq$")
 _ROPE_ROWS = re.compile(r"layers\.\d+\.attn\.([qk])_proj\.(weight|bias)$")
 
@@ -97,7 +99,7 @@ def _translate(key: str, table: dict[str, str]) -> Optional[str]:
         return None
     return table[generic].format(match.group(1)) if match else table[generic]
 
-# %% ../../nbs/30_convert_weights.ipynb #8d518ecd
+# %% ../../nbs/30_convert_weights.ipynb #0876ad96
 def hf_to_tune(
     state_dict: dict[str, torch.Tensor],
     num_heads: int,
@@ -138,7 +140,7 @@ def hf_to_tune(
         )
     return converted
 
-
+# %% ../../nbs/30_convert_weights.ipynb #73587572
 def tune_to_hf(
     state_dict: dict[str, torch.Tensor],
     num_heads: int,
@@ -171,7 +173,7 @@ def tune_to_hf(
         )
     return converted
 
-# %% ../../nbs/30_convert_weights.ipynb #76891738
+# %% ../../nbs/30_convert_weights.ipynb #2a371639
 PEFT_MODULE_NAMES = {
     "q_proj": "q_proj",
     "k_proj": "k_proj",
@@ -224,7 +226,7 @@ def tune_to_peft_adapter_weights(
         ] = value
     return converted
 
-
+# %% ../../nbs/30_convert_weights.ipynb #6f21b4d5
 def tune_to_peft_adapter_config(
     adapter_config: dict, base_model_name_or_path: Optional[str] = None
 ) -> dict:

@@ -10,7 +10,7 @@ import json
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Union
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +25,77 @@ try:
     from lm_eval.api.model import LM
 except ImportError:  # the recipe explains how to install it when it runs
     LM = object
+
+# %% ../../nbs/93_eleuther_eval.ipynb #f5fe7ed5
+@torch.no_grad()
+def _score_continuations(
+    model: torch.nn.Module,
+    pairs: list[tuple[list[int], list[int]]],
+    batch_size: int,
+    max_seq_len: int,
+    device: torch.device,
+) -> list[tuple[float, bool]]:
+    """Summed log-prob of each continuation after its context, and whether it is the
+    greedy continuation.
+    """
+    results = []
+    for start in range(0, len(pairs), batch_size):
+        batch = [
+            (ctx + cont)[-(max_seq_len + 1) :]
+            for ctx, cont in pairs[start : start + batch_size]
+        ]
+        conts = [cont for _, cont in pairs[start : start + batch_size]]
+        inputs = [seq[:-1] for seq in batch]
+        width = max(len(x) for x in inputs)
+        tokens = torch.tensor(
+            [x + [0] * (width - len(x)) for x in inputs], device=device
+        )
+        log_probs = F.log_softmax(model(tokens).float(), dim=-1)
+        for row, (seq, cont) in enumerate(zip(batch, conts)):
+            # predictions of the last n tokens of seq
+            n, end = len(cont), len(seq) - 1
+            target = torch.tensor(seq[-n:], device=device)
+            scores = log_probs[row, end - n : end]
+            results.append(
+                (
+                    scores.gather(-1, target[:, None]).sum().item(),
+                    bool((scores.argmax(-1) == target).all()),
+                )
+            )
+    return results
+
+# %% ../../nbs/93_eleuther_eval.ipynb #d2bcdfbf
+def _rolling_windows(
+    tokens: list[int], max_seq_len: int, prefix: list[int]
+) -> list[tuple[list[int], list[int]]]:
+    """(context, window) pairs covering `tokens` in disjoint windows, each after
+    `prefix` (the first) or the token before it.
+    """
+    return [
+        (
+            prefix if start == 0 else tokens[max(0, start - 1) : start],
+            tokens[start : start + max_seq_len],
+        )
+        for start in range(0, len(tokens), max_seq_len)
+    ]
+
+# %% ../../nbs/93_eleuther_eval.ipynb #205ff922
+def _generate_text(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    prompt: list[int],
+    budget: int,
+    until: Union[str, list[str]],
+) -> str:
+    """Greedy continuation of `prompt`, decoded and cut before the first stop string
+    (`until`: one string or a list).
+    """
+    eos = tokenizer.eos_id
+    new = generation.generate(model, [prompt], budget, stop_tokens=[eos])[0]
+    text = tokenizer.decode([t for t in new if t != eos])
+    for stop in [until] if isinstance(until, str) else list(until):
+        text = text.split(stop)[0]
+    return text
 
 # %% ../../nbs/93_eleuther_eval.ipynb #e928f28e
 class TorchtuneLitLM(LM):
@@ -41,11 +112,8 @@ class TorchtuneLitLM(LM):
     ) -> None:
         super().__init__()
         self.model, self.tokenizer, self._device = model.eval(), tokenizer, device
-        self.batch_size, self.max_seq_len, self.max_gen_toks = (
-            batch_size,
-            min(max_seq_len, model.max_seq_len),
-            max_gen_toks,
-        )
+        self.batch_size, self.max_gen_toks = batch_size, max_gen_toks
+        self.max_seq_len = min(max_seq_len, model.max_seq_len)
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_bos=False, add_eos=False)
@@ -54,38 +122,10 @@ class TorchtuneLitLM(LM):
         bos = getattr(self.tokenizer, "bos_id", None)
         return [bos] if bos is not None else [self.tokenizer.eos_id]
 
-    @torch.no_grad()
-    def _score(
-        self, pairs: list[tuple[list[int], list[int]]]
-    ) -> list[tuple[float, bool]]:
-        """Summed log-prob of each continuation after its context, and whether it is the
-        greedy continuation.
-        """
-        results = []
-        for start in range(0, len(pairs), self.batch_size):
-            batch = [
-                (ctx + cont)[-(self.max_seq_len + 1) :]
-                for ctx, cont in pairs[start : start + self.batch_size]
-            ]
-            conts = [cont for _, cont in pairs[start : start + self.batch_size]]
-            inputs = [seq[:-1] for seq in batch]
-            width = max(len(x) for x in inputs)
-            tokens = torch.tensor(
-                [x + [0] * (width - len(x)) for x in inputs], device=self._device
-            )
-            log_probs = F.log_softmax(self.model(tokens).float(), dim=-1)
-            for row, (seq, cont) in enumerate(zip(batch, conts)):
-                # predictions of the last n tokens of seq
-                n, end = len(cont), len(seq) - 1
-                target = torch.tensor(seq[-n:], device=self._device)
-                scores = log_probs[row, end - n : end]
-                results.append(
-                    (
-                        scores.gather(-1, target[:, None]).sum().item(),
-                        bool((scores.argmax(-1) == target).all()),
-                    )
-                )
-        return results
+    def _score(self, pairs: list) -> list[tuple[float, bool]]:
+        return _score_continuations(
+            self.model, pairs, self.batch_size, self.max_seq_len, self._device
+        )
 
     def loglikelihood(self, requests: list) -> list[tuple[float, bool]]:
         pairs = []
@@ -100,38 +140,25 @@ class TorchtuneLitLM(LM):
         return self._score(pairs)
 
     def loglikelihood_rolling(self, requests: list) -> list[float]:
-        totals = []
-        for request in requests:
-            tokens = self._encode(request.args[0])
-            total = 0.0
-            # disjoint windows, each after BOS or its past
-            for start in range(0, len(tokens), self.max_seq_len):
-                window = tokens[start : start + self.max_seq_len]
-                context = (
-                    self._prefix() if start == 0 else tokens[max(0, start - 1) : start]
-                )
-                total += self._score([(context, window)])[0][0]
-            totals.append(total)
-        return totals
+        windows = [
+            _rolling_windows(self._encode(r.args[0]), self.max_seq_len, self._prefix())
+            for r in requests
+        ]
+        return [sum(self._score([pair])[0][0] for pair in text) for text in windows]
 
     def generate_until(self, requests: list) -> list[str]:
         outputs = []
         for request in requests:
             context, kwargs = request.args
-            until = kwargs.get("until", [])
-            until = [until] if isinstance(until, str) else list(until)
             prompt = (self._prefix() + self._encode(context))[-(self.max_seq_len - 1) :]
             budget = min(
                 kwargs.get("max_gen_toks", self.max_gen_toks),
                 self.max_seq_len - len(prompt),
             )
-            new = generation.generate(
-                self.model, [prompt], budget, stop_tokens=[self.tokenizer.eos_id]
-            )[0]
-            text = self.tokenizer.decode([t for t in new if t != self.tokenizer.eos_id])
-            for stop in until:
-                text = text.split(stop)[0]
-            outputs.append(text)
+            until = kwargs.get("until", [])
+            outputs.append(
+                _generate_text(self.model, self.tokenizer, prompt, budget, until)
+            )
         return outputs
 
 # %% ../../nbs/93_eleuther_eval.ipynb #d80ad5ff
@@ -162,14 +189,9 @@ def write_task_definitions(definitions: list, folder: Path) -> Path:
         )
     return folder
 
-
-def evaluate(cfg: DictConfig) -> dict:
-    """Run the configured harness tasks on the checkpoint; returns (and writes to
-    output_dir/eleuther_eval.json) the results.
-    """
-    lm_eval = _require_lm_eval()
-    from lm_eval.tasks import TaskManager
-
+# %% ../../nbs/93_eleuther_eval.ipynb #e8bdfd71
+def _build_lm(cfg: DictConfig) -> tuple[TorchtuneLitLM, Any]:
+    "The wrapped model of the config's checkpoint folder, and its checkpointer."
     device = training.get_device(cfg.device)
     dtype = training.get_dtype(cfg.get("dtype", "fp32"), device)
     training.set_seed(cfg.seed)
@@ -184,6 +206,17 @@ def evaluate(cfg: DictConfig) -> dict:
         max_seq_len=cfg.get("max_seq_len", 2048),
         max_gen_toks=cfg.get("max_gen_toks", 256),
     )
+    return lm, checkpointer
+
+# %% ../../nbs/93_eleuther_eval.ipynb #1553d00b
+def evaluate(cfg: DictConfig) -> dict:
+    """Run the configured harness tasks on the checkpoint; returns (and writes to
+    output_dir/eleuther_eval.json) the results.
+    """
+    lm_eval = _require_lm_eval()
+    from lm_eval.tasks import TaskManager
+
+    lm, checkpointer = _build_lm(cfg)
     with tempfile.TemporaryDirectory() as include:
         definitions = OmegaConf.to_container(
             cfg.get("task_definitions") or [], resolve=True

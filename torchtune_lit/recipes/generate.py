@@ -45,7 +45,7 @@ def prompt_tokens(cfg: DictConfig, tokenizer) -> list[int]:
     messages.append(data.Message("user", prompt.user, masked=True))
     return tokenizer.tokenize_messages(messages, add_generation_prompt=True)[0]
 
-
+# %% ../../nbs/91_generate.ipynb #1e75f6fa
 def run_generation(cfg: DictConfig) -> dict:
     """Generate from the configured prompt; returns (and writes to
     output_dir/generation.json) the text and speed.

@@ -50,7 +50,7 @@ class DPOLoss(nn.Module):
         )
         return losses, chosen_rewards, rejected_rewards
 
-
+# %% ../../nbs/63_dpo_losses.ipynb #b57d0856
 class IPOLoss(nn.Module):
     """IPO (Azar et al. 2023): (margin - 1/(2 tau))^2; same inputs and outputs as
     `DPOLoss`, rewards scaled by tau.
@@ -79,7 +79,7 @@ class IPOLoss(nn.Module):
         )
         return losses, chosen_rewards, rejected_rewards
 
-
+# %% ../../nbs/63_dpo_losses.ipynb #a7b5088a
 class SimPOLoss(nn.Module):
     """SimPO (Meng et al. 2024), reference-free: -log sigmoid(beta * (chosen - rejected)
     - gamma) on length-normalised policy log-probs (`get_batch_log_probs(...,

@@ -16,7 +16,7 @@ from .._decoder_builder import build_decoder
 from ...modules.position_embeddings import RotaryPositionalEmbeddings
 from ...modules.transformer import TransformerDecoder
 
-# %% ../../../nbs/27_gemma2.ipynb #e03a44c3
+# %% ../../../nbs/27_gemma2.ipynb #009e027d
 def gemma2(
     vocab_size: int,
     num_layers: int,
@@ -63,7 +63,7 @@ def gemma2(
         ),
     )
 
-
+# %% ../../../nbs/27_gemma2.ipynb #6af887e0
 def gemma2_2b() -> TransformerDecoder:
     "gemma-2-2b(-it)."
     return gemma2(

@@ -13,7 +13,7 @@ from .._decoder_builder import build_decoder, build_mlp
 from ...modules.position_embeddings import RotaryPositionalEmbeddings
 from ...modules.transformer import TransformerDecoder
 
-# %% ../../../nbs/21_llama3.ipynb #91aa1201
+# %% ../../../nbs/21_llama3.ipynb #f235cb7d
 def scale_hidden_dim_for_mlp(dim: int, multiple_of: int = 256) -> int:
     """Llama's default MLP width: 2/3 of 4*dim, rounded up to a multiple of
     `multiple_of`.
@@ -26,7 +26,7 @@ def llama3_mlp(dim: int, hidden_dim: int):
     "Llama 3's bias-free SwiGLU MLP."
     return build_mlp(dim, hidden_dim)
 
-
+# %% ../../../nbs/21_llama3.ipynb #3b1e19e8
 def llama3(
     vocab_size: int,
     num_layers: int,
@@ -58,7 +58,7 @@ def llama3(
         ),
     )
 
-
+# %% ../../../nbs/21_llama3.ipynb #43f1566b
 def llama3_8b() -> TransformerDecoder:
     "Meta-Llama-3-8B(-Instruct)."
     return llama3(

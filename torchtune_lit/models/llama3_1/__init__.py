@@ -14,7 +14,7 @@ from ..llama3 import scale_hidden_dim_for_mlp
 from ...modules.position_embeddings import Llama3ScaledRoPE
 from ...modules.transformer import TransformerDecoder
 
-# %% ../../../nbs/22_llama3_1.ipynb #cd83eccb
+# %% ../../../nbs/22_llama3_1.ipynb #02178119
 def llama3_1(
     vocab_size: int,
     num_layers: int,
@@ -59,7 +59,7 @@ def llama3_1(
         tie_word_embeddings=tie_word_embeddings,
     )
 
-
+# %% ../../../nbs/22_llama3_1.ipynb #76a4caba
 def llama3_1_8b() -> TransformerDecoder:
     "Llama-3.1-8B(-Instruct)."
     return llama3_1(

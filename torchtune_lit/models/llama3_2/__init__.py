@@ -12,7 +12,7 @@ from typing import Optional
 from ..llama3_1 import llama3_1
 from ...modules.transformer import TransformerDecoder
 
-# %% ../../../nbs/23_llama3_2.ipynb #c2cf0e39
+# %% ../../../nbs/23_llama3_2.ipynb #cb01ebb3
 def llama3_2(
     vocab_size: int,
     num_layers: int,
@@ -45,7 +45,7 @@ def llama3_2(
         tie_word_embeddings=tie_word_embeddings,
     )
 
-
+# %% ../../../nbs/23_llama3_2.ipynb #eb287710
 def llama3_2_1b() -> TransformerDecoder:
     "Llama-3.2-1B(-Instruct)."
     return llama3_2(

@@ -13,7 +13,7 @@ from .._decoder_builder import build_decoder
 from ...modules.position_embeddings import RotaryPositionalEmbeddings
 from ...modules.transformer import TransformerDecoder
 
-# %% ../../../nbs/26_mistral.ipynb #ded8b3a8
+# %% ../../../nbs/26_mistral.ipynb #821875f9
 def mistral(
     vocab_size: int,
     num_layers: int,
@@ -49,7 +49,7 @@ def mistral(
         ),
     )
 
-
+# %% ../../../nbs/26_mistral.ipynb #1183e071
 def mistral_7b() -> TransformerDecoder:
     """Mistral-7B-v0.1 (the v0.1 Instruct models too): vocabulary 32,000, sliding window
     4,096.

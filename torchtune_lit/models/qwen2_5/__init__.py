@@ -11,7 +11,7 @@ __all__ = ['lora_qwen2_5_0_5b', 'qlora_qwen2_5_0_5b', 'lora_qwen2_5_1_5b', 'qlor
 from ..qwen2 import qwen2
 from ...modules.transformer import TransformerDecoder
 
-# %% ../../../nbs/25_qwen2_5.ipynb #d9602c3b
+# %% ../../../nbs/25_qwen2_5.ipynb #16240fb4
 def qwen2_5_0_5b() -> TransformerDecoder:
     "Qwen2.5-0.5B(-Instruct)."
     return qwen2(
@@ -53,7 +53,7 @@ def qwen2_5_3b() -> TransformerDecoder:
         tie_word_embeddings=True,
     )
 
-
+# %% ../../../nbs/25_qwen2_5.ipynb #18bd126f
 def qwen2_5_7b() -> TransformerDecoder:
     "Qwen2.5-7B(-Instruct)."
     return qwen2(

@@ -72,7 +72,7 @@ class ForwardKLLoss(nn.Module):
             normalize,
         )
 
-
+# %% ../../../nbs/61_kd_losses.ipynb #b90aac26
 class ReverseKLLoss(nn.Module):
     "KL(q||p) of the student q from the teacher p, averaged over trained positions."
 
@@ -94,7 +94,7 @@ class ReverseKLLoss(nn.Module):
             normalize,
         )
 
-
+# %% ../../../nbs/61_kd_losses.ipynb #11c38e3c
 class SymmetricKLLoss(nn.Module):
     """sym_kl_ratio * forward + (1 - sym_kl_ratio) * reverse, averaged over trained
     positions.
@@ -158,7 +158,7 @@ class _ChunkedKD(nn.Module):
         )
         return total / (labels != self.ignore_index).sum().clamp(min=1)
 
-
+# %% ../../../nbs/61_kd_losses.ipynb #35ef01de
 class ForwardKLWithChunkedOutputLoss(_ChunkedKD):
     "`ForwardKLLoss` over lists of logit chunks."
 
