@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['perplexity', 'quantize_model', 'save_quantized', 'load_quantized', 'file_megabytes', 'quantize', 'recipe_main']
 
-# %% ../../nbs/86_quantize.ipynb #37971d4d
+# %% ../../nbs/86_quantize.ipynb #bb7428cd
 import json
 import math
 import os
@@ -24,7 +24,7 @@ import torchtune_lit.models as models
 import torchtune_lit.recipes.eval_accuracy as eval_accuracy
 import torchtune_lit.training as training
 
-# %% ../../nbs/86_quantize.ipynb #131a8232
+# %% ../../nbs/86_quantize.ipynb #e664bc8d
 def perplexity(
     model: torch.nn.Module,
     loader: DataLoader,
@@ -42,7 +42,7 @@ def quantize_model(model: torch.nn.Module, quantizer: Any) -> torch.nn.Module:
     quantize_(model, quantizer)
     return model
 
-
+# %% ../../nbs/86_quantize.ipynb #926e63f9
 def save_quantized(
     model: torch.nn.Module,
     checkpoint_dir: Union[str, Path],
@@ -75,9 +75,10 @@ def load_quantized(path: Union[str, Path], quantizer: Any) -> torch.nn.Module:
 
 
 def file_megabytes(path: Union[str, Path]) -> float:
+    "The size of a file in megabytes (10**6 bytes)."
     return Path(path).stat().st_size / 1e6
 
-# %% ../../nbs/86_quantize.ipynb #c632f9bc
+# %% ../../nbs/86_quantize.ipynb #80ba0912
 def quantize(cfg: DictConfig) -> dict:
     """Quantize, save, reload; returns perplexities and file sizes (also written to
     output_dir/quantize.json).
@@ -118,7 +119,7 @@ def quantize(cfg: DictConfig) -> dict:
     (Path(cfg.output_dir) / "quantize.json").write_text(json.dumps(result, indent=1))
     return result
 
-# %% ../../nbs/86_quantize.ipynb #04968e31
+# %% ../../nbs/86_quantize.ipynb #84375d14
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
     """Entry point: `tunelit run quantize --config tiny/quantize
@@ -134,7 +135,7 @@ def recipe_main(cfg: DictConfig) -> None:
         f"{r['quantized_megabytes']:.1f} MB."
     )
 
-# %% ../../nbs/86_quantize.ipynb #a0bffb20
+# %% ../../nbs/86_quantize.ipynb #97fdf056
 #| eval: false
 if __name__ == "__main__":
     sys.exit(recipe_main())
