@@ -16,12 +16,15 @@ $(VENV)/.installed: setup.py settings.ini
 	$(BIN)/python -m pip install -q -e ".[dev,docs]"
 	touch $@
 
-# The main job: held-out accuracy of the shipped tiny base, a LoRA fine-tune on the column-type task, accuracy after.
+# The main job: held-out accuracy of the shipped tiny base, a LoRA fine-tune on the column-type task (every epoch
+# saved, best/ = lowest validation loss), the accuracy of best/, and the run's loss curves. It owns
+# /tmp/torchtune_lit/tiny_lora: overwrite=true replaces the previous main job's run there.
 main: setup
 	$(BIN)/tunelit run eval_accuracy --config tiny/eval output_dir=/tmp/torchtune_lit/tiny_eval_before
-	$(BIN)/tunelit run lora_finetune_single_device --config tiny/lora
-	$(BIN)/tunelit run eval_accuracy --config tiny/eval checkpointer.checkpoint_dir=/tmp/torchtune_lit/tiny_lora/epoch_3 \
-		output_dir=/tmp/torchtune_lit/tiny_eval_after
+	$(BIN)/tunelit run lora_finetune_single_device --config tiny/lora overwrite=true
+	$(BIN)/tunelit run eval_accuracy --config tiny/eval checkpointer.checkpoint_dir=/tmp/torchtune_lit/tiny_lora/best \
+		output_dir=/tmp/torchtune_lit/tiny_lora/eval_best
+	$(BIN)/tunelit plot /tmp/torchtune_lit/tiny_lora
 
 # (a) export sync, README sync, (d) site build, (b) every notebook, (c) pytest -- pytest's summary line last.
 test: setup test-export test-readme test-site test-nbs test-py

@@ -172,7 +172,8 @@ def adapt_notebook(path: Path) -> tuple[str, dict]:
     return page, nb
 
 
-CHAPTER_LINK = re.compile(r"\]\((\w+)\.ipynb(#[^)\s]*)?\)")
+# `50_lora.ipynb` from a chapter, `nbs/50_lora.ipynb` from the home page (which is also the README at the root)
+CHAPTER_LINK = re.compile(r"\]\((?:nbs/)?(\w+)\.ipynb(#[^)\s]*)?\)")
 
 
 def link_chapters(nb: dict, pages: dict[str, str]) -> None:

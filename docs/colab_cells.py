@@ -70,7 +70,7 @@ def install_cell(packages: list[str]) -> dict:
     url = CFG["git_url"]
     specs = [f"{CFG['lib_name']} @ git+{url}"] + packages
     lines = ["#| hide",
-             "# In Colab, install the package and what this chapter's checks import; nothing elsewhere.",
+             "# In Colab only: install the package and what this chapter's checks import.",
              "import subprocess",
              "import sys",
              "",

@@ -30,7 +30,8 @@ from torchtune_lit._recipe_registry import (
 
 # %% auto #0
 __all__ = ['TORCHRUN_FLAGS', 'SANITY_OVERRIDES', 'EXPECTED_ERRORS', 'cmd_ls', 'cmd_cp', 'cmd_validate', 'cmd_cat',
-           'cmd_preflight', 'split_run_args', 'sanity_verdict', 'cmd_run', 'cmd_download', 'build_parser', 'main']
+           'cmd_preflight', 'split_run_args', 'sanity_verdict', 'cmd_run', 'cmd_download', 'cmd_plot', 'cmd_runs',
+           'build_parser', 'main']
 
 # %% ../../nbs/03_cli.ipynb #df8336a1
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -344,6 +345,33 @@ def _add_download_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.set_defaults(func=cmd_download)
 
+# %% ../../nbs/03_cli.ipynb #277c27b1587741f2af2001be3712ef0d
+def cmd_plot(args: argparse.Namespace) -> int:
+    "Draw a run's loss curves to a PNG and say where."
+    from torchtune_lit.training.runs import plot_run
+
+    print(f"Wrote {plot_run(args.output_dir, args.output)}")
+    return 0
+
+
+def cmd_runs(args: argparse.Namespace) -> int:
+    "Print the results table of the given run folders."
+    from torchtune_lit.training.runs import runs_table
+
+    print(runs_table(args.output_dirs))
+    return 0
+
+
+def _add_run_parsers(sub: argparse._SubParsersAction) -> None:
+    "`tunelit plot OUTPUT_DIR [-o PNG]` and `tunelit runs DIR [DIR ...]`."
+    p = sub.add_parser("plot", help="draw a run's loss curves to a PNG")
+    p.add_argument("output_dir", help="a run's output folder")
+    p.add_argument("-o", "--output", help="PNG to write (default OUTPUT_DIR/loss.png)")
+    p.set_defaults(func=cmd_plot)
+    p = sub.add_parser("runs", help="print the results table of several runs")
+    p.add_argument("output_dirs", nargs="+", help="run output folders")
+    p.set_defaults(func=cmd_runs)
+
 # %% ../../nbs/03_cli.ipynb #938c804e27f84196a10c8828c723f798
 def build_parser() -> argparse.ArgumentParser:
     "The `tunelit` parser: one subcommand per verb, each calling its `cmd_*` function."
@@ -368,6 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_run)
     _add_config_parsers(sub)
     _add_download_parser(sub)
+    _add_run_parsers(sub)
     return parser
 
 # %% ../../nbs/03_cli.ipynb #b43b363d81ae4b689946ece5c682cd59

@@ -10,10 +10,16 @@ __all__ = ['memory', 'OffloadActivations', 'compile_loss', 'compile_model', 'est
            'latest_step_checkpoint', 'load_recipe_state', 'lr_schedulers', 'make_recipe_state',
            'prune_step_checkpoints', 'read_jsonl', 'restore_rng_state', 'restore_training_state', 'resume_position',
            'setup_run', 'scale_grads', 'set_seed', 'shift_labels', 'summed_cross_entropy', 'train_step',
-           'training_schedule', 'truncate_log', 'validation_loss']
+           'training_schedule', 'truncate_log', 'validation_loss', 'runs']
 
 # %% ../../nbs/79_training_map.ipynb #6f16c70e
-from . import lr_schedulers, memory, metric_logging, preflight
+from torchtune_lit.training import (
+    lr_schedulers,
+    memory,
+    metric_logging,
+    preflight,
+    runs,
+)
 from torchtune_lit.training.memory import (
     OffloadActivations,
     compile_loss,
@@ -99,4 +105,5 @@ _all_ = [
     "training_schedule",
     "truncate_log",
     "validation_loss",
+    "runs",
 ]

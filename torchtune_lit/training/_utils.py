@@ -89,17 +89,25 @@ def check_loss_is_finite(loss: float, step: int) -> None:
 
 # %% ../../nbs/71_training_utils.ipynb #aa448a6b
 def setup_run(cfg: Any) -> tuple[torch.device, torch.dtype, torch.Generator, Path]:
-    """(device, dtype, data generator, output_dir) for a recipe config; writes
-    output_dir/config.yaml.
-    """
+    """(device, dtype, data generator, output_dir) for a recipe config. Claims
+    output_dir for this run (another run's folder is refused unless resumed or
+    `overwrite=true`) and writes output_dir/config.yaml."""
     from omegaconf import OmegaConf
+
+    from torchtune_lit.training.runs import check_resume_config, claim_output_dir
 
     device = get_device(cfg.device)
     dtype = get_dtype(cfg.dtype, device)
     generator = set_seed(cfg.seed)
-    output_dir = Path(cfg.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(cfg, output_dir / "config.yaml")
+    resume = bool(cfg.get("resume_from_checkpoint", False))
+    output_dir = claim_output_dir(cfg.output_dir, resume, cfg.get("overwrite", False))
+    saved = output_dir / "config.yaml"
+    if resume and saved.exists():
+        current = OmegaConf.to_container(cfg, resolve=True)
+        old = OmegaConf.to_container(OmegaConf.load(saved), resolve=True)
+        for warning in check_resume_config(old, current):
+            print(f"WARNING: {warning}")
+    OmegaConf.save(cfg, saved)
     return device, dtype, generator, output_dir
 
 # %% ../../nbs/71_training_utils.ipynb #b3f796b4
@@ -340,6 +348,7 @@ def train_step(
                 [p for p in model.parameters() if p.requires_grad], clip_grad_norm
             )
         )
+    lr = optimizer.param_groups[0]["lr"]  # the rate this step uses
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     if lr_scheduler is not None:
@@ -348,7 +357,7 @@ def train_step(
     metrics = {
         "step": step,
         "loss": loss_sum / num_tokens,
-        "lr": optimizer.param_groups[0]["lr"],
+        "lr": lr,
         "tokens": num_tokens,
         "tokens_per_second": num_tokens / elapsed,
     }

@@ -4,8 +4,8 @@
 
 # %% auto #0
 __all__ = ['FORMAT_FAMILIES', 'data_findings', 'chat_format_findings', 'tokenizer_findings', 'checkpoint_findings',
-           'optimisation_findings', 'memory_findings', 'check_first_loss', 'ChosenView', 'preflight_report',
-           'format_report', 'save_report']
+           'optimisation_findings', 'memory_findings', 'check_first_loss', 'starts_from_scratch', 'warn_on_first_loss',
+           'ChosenView', 'preflight_report', 'format_report', 'save_report']
 
 # %% ../../nbs/74_preflight.ipynb #84fc14ff
 import json
@@ -434,6 +434,21 @@ def check_first_loss(loss: float, vocab_size: int, pretrained: bool) -> Optional
         )
     return None
 
+
+def starts_from_scratch(cfg: DictConfig) -> bool:
+    """True only when the config asks for no weights (`checkpoint_files: []`); an
+    absent or null `checkpoint_files` means every weight file of the folder."""
+    files = cfg.checkpointer.get("checkpoint_files", None)
+    return files is not None and len(files) == 0
+
+
+def warn_on_first_loss(cfg: DictConfig, loss: float, model: torch.nn.Module) -> None:
+    "Print check_first_loss's warning for a recipe's first step, if there is one."
+    vocab_size = model.tok_embeddings.num_embeddings
+    warning = check_first_loss(loss, vocab_size, not starts_from_scratch(cfg))
+    if warning:
+        print(f"WARNING: {warning}")
+
 # %% ../../nbs/74_preflight.ipynb #77ece25e
 class ChosenView:
     """A preference dataset seen through its chosen answers — `{"tokens", "labels"}`
@@ -501,10 +516,7 @@ def preflight_report(
         cfg, model, tokenizer, dataset, state_dict
     )
     adapters = _adapter_names(model)
-    from_scratch = (
-        cfg.checkpointer.get("checkpoint_files", None) is not None
-        and len(cfg.checkpointer.checkpoint_files) == 0
-    )
+    from_scratch = starts_from_scratch(cfg)
     data = data_findings(
         dataset, tokenizer, cfg.dataset.get("train_on_input", False), max_samples
     )
