@@ -6,7 +6,7 @@
 __all__ = ['build_dataloader', 'build_validation_loader', 'load_model', 'setup', 'resume_state', 'save_step_checkpoint', 'train',
            'recipe_main']
 
-# %% ../../nbs/80_full_finetune_single_device.ipynb #3942cbb8
+# %% ../../nbs/80_full_finetune_single_device.ipynb #63d10215
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,7 +21,7 @@ import torchtune_lit.data as data
 import torchtune_lit.training as training
 import torchtune_lit.training.runs as runs
 
-# %% ../../nbs/80_full_finetune_single_device.ipynb #56efb818
+# %% ../../nbs/80_full_finetune_single_device.ipynb #9d7d5c04
 def build_dataloader(
     cfg: DictConfig, tokenizer, generator: torch.Generator
 ) -> DataLoader:
@@ -66,7 +66,7 @@ def build_validation_loader(cfg: DictConfig, tokenizer) -> Optional[DataLoader]:
         collate_fn=data.padded_collate_packed if packed else data.padded_collate_sft,
     )
 
-# %% ../../nbs/80_full_finetune_single_device.ipynb #44a2613b
+# %% ../../nbs/80_full_finetune_single_device.ipynb #9e5d8138
 def load_model(
     cfg: DictConfig, checkpointer, device: torch.device, dtype: torch.dtype
 ) -> torch.nn.Module:
@@ -88,7 +88,7 @@ def load_model(
         training.compile_model(model)
     return model
 
-# %% ../../nbs/80_full_finetune_single_device.ipynb #d98115f8
+# %% ../../nbs/80_full_finetune_single_device.ipynb #5ce1ed5b
 def setup(cfg: DictConfig) -> SimpleNamespace:
     "Everything the training loop needs, built from `cfg` (see the steps above)."
     if cfg.get("early_stopping_patience") and not cfg.get("validation_dataset"):
@@ -127,7 +127,7 @@ def setup(cfg: DictConfig) -> SimpleNamespace:
         total_steps=total_steps,
     )
 
-# %% ../../nbs/80_full_finetune_single_device.ipynb #dc917c57
+# %% ../../nbs/80_full_finetune_single_device.ipynb #d71bf491
 def resume_state(cfg: DictConfig, model: torch.nn.Module) -> Optional[dict]:
     """With resume_from_checkpoint, the newest step checkpoint's recipe state, its
     weights loaded into `model`.
@@ -174,7 +174,7 @@ def save_step_checkpoint(
         run.output_dir, cfg.get("keep_last_n_checkpoints", 2)
     )
 
-# %% ../../nbs/80_full_finetune_single_device.ipynb #4ab15842
+# %% ../../nbs/80_full_finetune_single_device.ipynb #a6c51e55
 def train(cfg: DictConfig) -> list[dict]:
     "Run the recipe described by `cfg`; return the metrics of every step it ran."
     run = setup(cfg)
@@ -194,7 +194,7 @@ def train(cfg: DictConfig) -> list[dict]:
         run.total_steps,
         step,
     )
-    val_every = cfg.get("run_val_every_n_steps", run.steps_per_epoch)
+    val_every = cfg.get("run_val_every_n_steps")  # null: only at the end of each epoch
     stopped = False
     for epoch in range(start_epoch, cfg.epochs):
         epoch_generator_state, batches = run.generator.get_state(), iter(run.loader)
@@ -219,7 +219,7 @@ def train(cfg: DictConfig) -> list[dict]:
             )
             if step == 1:
                 training.preflight.warn_on_first_loss(cfg, metrics["loss"], run.model)
-            if run.val_loader is not None and step % val_every == 0:
+            if run.val_loader is not None and val_every and step % val_every == 0:
                 metrics["val_loss"] = training.validation_loss(
                     run.model,
                     run.val_loader,
@@ -241,14 +241,14 @@ def train(cfg: DictConfig) -> list[dict]:
     print(tracker.close(stopped))
     return tracker.history
 
-# %% ../../nbs/80_full_finetune_single_device.ipynb #cde99179
+# %% ../../nbs/80_full_finetune_single_device.ipynb #5028928b
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
     """Entry point: `tunelit run full_finetune_single_device --config tiny/full
     [key=value ...]`."""
     train(cfg)
 
-# %% ../../nbs/80_full_finetune_single_device.ipynb #2caa3429
+# %% ../../nbs/80_full_finetune_single_device.ipynb #11cf8f1d
 #| eval: false
 if __name__ == "__main__":
     sys.exit(recipe_main())

@@ -6,7 +6,7 @@
 __all__ = ['load_lora_model', 'adapter_config', 'setup', 'resume_state', 'save_step_checkpoint', 'save_epoch', 'train',
            'recipe_main']
 
-# %% ../../nbs/81_lora_finetune_single_device.ipynb #04954637
+# %% ../../nbs/81_lora_finetune_single_device.ipynb #e470382b
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,7 +21,7 @@ import torchtune_lit.recipes.full_finetune_single_device as full_finetune
 import torchtune_lit.training as training
 import torchtune_lit.training.runs as runs
 
-# %% ../../nbs/81_lora_finetune_single_device.ipynb #33b5f7af
+# %% ../../nbs/81_lora_finetune_single_device.ipynb #8ed92668
 def load_lora_model(
     cfg: DictConfig, checkpointer, device: torch.device, dtype: torch.dtype
 ) -> torch.nn.Module:
@@ -59,7 +59,7 @@ def adapter_config(cfg: DictConfig) -> dict:
         ),
     }
 
-# %% ../../nbs/81_lora_finetune_single_device.ipynb #dcee6fc6
+# %% ../../nbs/81_lora_finetune_single_device.ipynb #c437ffcc
 def setup(cfg: DictConfig) -> SimpleNamespace:
     "Everything the training loop needs, built from `cfg` (see the steps above)."
     if cfg.get("early_stopping_patience") and not cfg.get("validation_dataset"):
@@ -103,7 +103,7 @@ def setup(cfg: DictConfig) -> SimpleNamespace:
         lora=adapter_config(cfg),
     )
 
-# %% ../../nbs/81_lora_finetune_single_device.ipynb #e9d1cb96
+# %% ../../nbs/81_lora_finetune_single_device.ipynb #3b97294d
 def resume_state(cfg: DictConfig, model: torch.nn.Module) -> Optional[dict]:
     """With resume_from_checkpoint, the newest step checkpoint's recipe state, its
     adapter weights loaded into `model`."""
@@ -162,7 +162,7 @@ def save_step_checkpoint(
         run.output_dir, cfg.get("keep_last_n_checkpoints", 2)
     )
 
-# %% ../../nbs/81_lora_finetune_single_device.ipynb #69290871
+# %% ../../nbs/81_lora_finetune_single_device.ipynb #fc97b77b
 def save_epoch(run: SimpleNamespace, epoch: int) -> Path:
     """Save epoch_N: the merged model (Hugging Face format) and the adapter (PEFT
     format)."""
@@ -175,7 +175,7 @@ def save_epoch(run: SimpleNamespace, epoch: int) -> Path:
         {"model": merged, "adapter": adapter, "adapter_config": run.lora}, epoch=epoch
     )
 
-# %% ../../nbs/81_lora_finetune_single_device.ipynb #774d07a6
+# %% ../../nbs/81_lora_finetune_single_device.ipynb #e49a5a20
 def train(cfg: DictConfig) -> list[dict]:
     "Run the recipe described by `cfg`; return the metrics of every step it ran."
     run = setup(cfg)
@@ -195,7 +195,7 @@ def train(cfg: DictConfig) -> list[dict]:
         run.total_steps,
         step,
     )
-    val_every = cfg.get("run_val_every_n_steps", run.steps_per_epoch)
+    val_every = cfg.get("run_val_every_n_steps")  # null: only at the end of each epoch
     stopped = False
     for epoch in range(start_epoch, cfg.epochs):
         epoch_generator_state, batches = run.generator.get_state(), iter(run.loader)
@@ -220,7 +220,7 @@ def train(cfg: DictConfig) -> list[dict]:
             )
             if step == 1:
                 training.preflight.warn_on_first_loss(cfg, metrics["loss"], run.model)
-            if run.val_loader is not None and step % val_every == 0:
+            if run.val_loader is not None and val_every and step % val_every == 0:
                 metrics["val_loss"] = training.validation_loss(
                     run.model,
                     run.val_loader,
@@ -240,14 +240,14 @@ def train(cfg: DictConfig) -> list[dict]:
     print(tracker.close(stopped))
     return tracker.history
 
-# %% ../../nbs/81_lora_finetune_single_device.ipynb #d06e5d9b
+# %% ../../nbs/81_lora_finetune_single_device.ipynb #f526993f
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
     """Entry point: `tunelit run lora_finetune_single_device --config tiny/lora
     [key=value ...]`."""
     train(cfg)
 
-# %% ../../nbs/81_lora_finetune_single_device.ipynb #0581c61e
+# %% ../../nbs/81_lora_finetune_single_device.ipynb #580b3b55
 #| eval: false
 if __name__ == "__main__":
     sys.exit(recipe_main())
