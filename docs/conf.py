@@ -27,5 +27,6 @@ html_theme_options = {
     "show_toc_level": 2,
     "home_page_in_toc": True,
 }
-html_static_path = []
+html_static_path = ["_static"]
+html_css_files = ["code-width.css"]
 exclude_patterns = ["_build", "**.ipynb_checkpoints"]

@@ -13,7 +13,8 @@ def test_filter_fn_and_new_system_prompt():
     ds = instruct_dataset(tok, source="json", data_files=_asset_path("tiny/column_types_train.jsonl"),
                           column_map={"input": "prompt", "output": "label"}, filter_fn=lambda row: row["label"] == "url",
                           new_system_prompt="Answer with one label.")
-    assert len(ds) == 40
+    rows = [json.loads(line) for line in open(_asset_path("tiny/column_types_train.jsonl"))]
+    assert len(ds) == sum(row["label"] == "url" for row in rows) > 0
     text = tok.decode(ds[0]["tokens"])
     assert text.startswith("<|start_header_id|>system<|end_header_id|>\n\nAnswer with one label.<|eot_id|>")
     trained = tok.decode([t for t, l in zip(ds[0]["tokens"], ds[0]["labels"]) if l != -100])

@@ -21,7 +21,10 @@ def test_broken_config_names_each_problem(tmp_path):
     result = preflight("tiny/lora", f"output_dir={tmp_path}", "tokenizer.max_seq_len=40", "model.vocab_size=1024")
     assert result.returncode == 1
     out = result.stdout
-    assert "480 samples (100.0%) are longer than max_seq_len=40" in out
+    from torchtune_lit.config import _asset_path
+
+    rows = len(Path(_asset_path("tiny/column_types_train.jsonl")).read_text().splitlines())
+    assert f"{rows} samples (100.0%) are longer than max_seq_len=40" in out
     assert "samples have no token to train on" in out
     assert "the tokenizer has 2048 tokens but the model's embedding has 1024 rows" in out
     assert "shape-mismatched checkpoint keys" in out

@@ -6,7 +6,7 @@
 __all__ = ['build_dataloader', 'build_validation_loader', 'load_model', 'setup', 'resume_state', 'save_step_checkpoint', 'train',
            'recipe_main']
 
-# %% ../../nbs/80_full_finetune_single_device.ipynb #63d10215
+# %% ../../nbs/80_full_finetune_single_device.ipynb #5e7de641
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,7 +21,7 @@ import torchtune_lit.data as data
 import torchtune_lit.training as training
 import torchtune_lit.training.runs as runs
 
-# %% ../../nbs/80_full_finetune_single_device.ipynb #9d7d5c04
+# %% ../../nbs/80_full_finetune_single_device.ipynb #d8caedf9
 def build_dataloader(
     cfg: DictConfig, tokenizer, generator: torch.Generator
 ) -> DataLoader:
@@ -66,7 +66,7 @@ def build_validation_loader(cfg: DictConfig, tokenizer) -> Optional[DataLoader]:
         collate_fn=data.padded_collate_packed if packed else data.padded_collate_sft,
     )
 
-# %% ../../nbs/80_full_finetune_single_device.ipynb #9e5d8138
+# %% ../../nbs/80_full_finetune_single_device.ipynb #ab113cbe
 def load_model(
     cfg: DictConfig, checkpointer, device: torch.device, dtype: torch.dtype
 ) -> torch.nn.Module:
@@ -88,7 +88,7 @@ def load_model(
         training.compile_model(model)
     return model
 
-# %% ../../nbs/80_full_finetune_single_device.ipynb #5ce1ed5b
+# %% ../../nbs/80_full_finetune_single_device.ipynb #3f5cf996
 def setup(cfg: DictConfig) -> SimpleNamespace:
     "Everything the training loop needs, built from `cfg` (see the steps above)."
     if cfg.get("early_stopping_patience") and not cfg.get("validation_dataset"):
@@ -127,7 +127,7 @@ def setup(cfg: DictConfig) -> SimpleNamespace:
         total_steps=total_steps,
     )
 
-# %% ../../nbs/80_full_finetune_single_device.ipynb #d71bf491
+# %% ../../nbs/80_full_finetune_single_device.ipynb #4cfb5de5
 def resume_state(cfg: DictConfig, model: torch.nn.Module) -> Optional[dict]:
     """With resume_from_checkpoint, the newest step checkpoint's recipe state, its
     weights loaded into `model`.
@@ -174,7 +174,7 @@ def save_step_checkpoint(
         run.output_dir, cfg.get("keep_last_n_checkpoints", 2)
     )
 
-# %% ../../nbs/80_full_finetune_single_device.ipynb #a6c51e55
+# %% ../../nbs/80_full_finetune_single_device.ipynb #a4eaa3d1
 def train(cfg: DictConfig) -> list[dict]:
     "Run the recipe described by `cfg`; return the metrics of every step it ran."
     run = setup(cfg)
@@ -241,14 +241,14 @@ def train(cfg: DictConfig) -> list[dict]:
     print(tracker.close(stopped))
     return tracker.history
 
-# %% ../../nbs/80_full_finetune_single_device.ipynb #5028928b
+# %% ../../nbs/80_full_finetune_single_device.ipynb #bfc24101
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
     """Entry point: `tunelit run full_finetune_single_device --config tiny/full
     [key=value ...]`."""
     train(cfg)
 
-# %% ../../nbs/80_full_finetune_single_device.ipynb #11cf8f1d
+# %% ../../nbs/80_full_finetune_single_device.ipynb #b84f7b5d
 #| eval: false
 if __name__ == "__main__":
     sys.exit(recipe_main())
