@@ -7,7 +7,7 @@ __all__ = ['RUN_FILES', 'RUN_FOLDERS', 'IGNORED_ON_RESUME', 'REWARD_KEYS', 'run_
            'check_resume_config', 'EpochResult', 'RunInfo', 'RunLog', 'start_run', 'point_best', 'EpochTracker',
            'finish_run', 'RunTracker', 'read_log', 'plot_run', 'run_summary', 'runs_table']
 
-# %% ../../nbs/77_runs.ipynb #17e67409
+# %% ../../nbs/77_runs.ipynb #b5e20d4c
 import json
 import os
 import shutil
@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
-# %% ../../nbs/77_runs.ipynb #d268c766
+# %% ../../nbs/77_runs.ipynb #bffedef7
 RUN_FILES = ("config.yaml", "log.jsonl", "run.json", "preflight.json")
 RUN_FOLDERS = ("epoch_*", "step_*", "best", ".epoch_*", ".step_*")
 
@@ -63,7 +63,7 @@ def claim_output_dir(
     folder.mkdir(parents=True, exist_ok=True)
     return folder
 
-# %% ../../nbs/77_runs.ipynb #d138b3eb
+# %% ../../nbs/77_runs.ipynb #b163a9f9
 def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
     if isinstance(node, dict):
         out = {}
@@ -105,7 +105,7 @@ def check_resume_config(saved: dict, current: dict) -> list[str]:
         for k, (a, b) in changes.items()
     ]
 
-# %% ../../nbs/77_runs.ipynb #acd9b396
+# %% ../../nbs/77_runs.ipynb #38fe3634
 def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
@@ -151,7 +151,7 @@ class RunInfo:
         data["epochs"] = [EpochResult(**e) for e in data.get("epochs", [])]
         return cls(**data)
 
-# %% ../../nbs/77_runs.ipynb #3bc1c74e
+# %% ../../nbs/77_runs.ipynb #aeb05400
 class RunLog:
     """Append one JSON line per optimizer step to `output_dir/log.jsonl`, with the run
     id and the wall-clock time; flushed at once so a killed run keeps its lines."""
@@ -186,7 +186,7 @@ def start_run(
     info.save(folder)
     return info
 
-# %% ../../nbs/77_runs.ipynb #102fa17a
+# %% ../../nbs/77_runs.ipynb #bb5491e4
 def point_best(output_dir: Union[str, Path], epoch_folder: Union[str, Path]) -> Path:
     "Make `output_dir/best` refer to `epoch_folder` (a relative link, else a copy)."
     folder, target = Path(output_dir), Path(epoch_folder)
@@ -204,7 +204,7 @@ def point_best(output_dir: Union[str, Path], epoch_folder: Union[str, Path]) -> 
         shutil.copytree(target, best)
     return best
 
-# %% ../../nbs/77_runs.ipynb #65d1bf7c
+# %% ../../nbs/77_runs.ipynb #792f3326
 class EpochTracker:
     """Records each finished epoch in `info`, keeps `best` on the lowest validation
     loss, prunes old epoch folders, and decides early stopping."""
@@ -259,7 +259,7 @@ class EpochTracker:
                 continue
             shutil.rmtree(old.folder, ignore_errors=True)
 
-# %% ../../nbs/77_runs.ipynb #4824d748
+# %% ../../nbs/77_runs.ipynb #4ef6ecbc
 def finish_run(
     output_dir: Union[str, Path],
     info: RunInfo,
@@ -301,7 +301,7 @@ def finish_run(
         lines.append(f"  last epoch: {info.epochs[-1].folder}")
     return "\n".join(lines)
 
-# %% ../../nbs/77_runs.ipynb #8be6541e
+# %% ../../nbs/77_runs.ipynb #da2acc7d
 class RunTracker:
     """run.json, log.jsonl, the epoch tracker, the optional `metric_logger` and the
     progress bar of one training run."""
@@ -364,7 +364,7 @@ class RunTracker:
             self.cfg.get("evaluate_with"),
         )
 
-# %% ../../nbs/77_runs.ipynb #af0756be
+# %% ../../nbs/77_runs.ipynb #b2d3613a
 def _end_epoch(
     self: RunTracker,
     epoch: int,
@@ -390,7 +390,7 @@ def _end_epoch(
 
 RunTracker.end_epoch = _end_epoch
 
-# %% ../../nbs/77_runs.ipynb #2188e01e
+# %% ../../nbs/77_runs.ipynb #1668dbfe
 def read_log(output_dir: Union[str, Path]) -> list[dict]:
     "The step records of a run's log.jsonl."
     path = Path(output_dir) / "log.jsonl"
@@ -449,9 +449,12 @@ def plot_run(output_dir: Union[str, Path], path: Optional[Union[str, Path]] = No
     fig.savefig(out, dpi=110)
     return out
 
-# %% ../../nbs/77_runs.ipynb #f8095ac7
+# %% ../../nbs/77_runs.ipynb #a9fb8e86
 def _accuracy(folder: Path) -> Optional[float]:
-    found = sorted(folder.glob("eval*/eval.json"))
+    "The accuracy in eval_best/eval.json, else in the newest eval*/eval.json, or None."
+    found = [folder / "eval_best" / "eval.json"]
+    if not found[0].exists():
+        found = sorted(folder.glob("eval*/eval.json"), key=lambda p: p.stat().st_mtime)
     if not found:
         return None
     return json.loads(found[-1].read_text(encoding="utf-8")).get("accuracy")
@@ -479,7 +482,7 @@ def run_summary(output_dir: Union[str, Path]) -> dict:
         "accuracy": _accuracy(folder),
     }
 
-# %% ../../nbs/77_runs.ipynb #45ebfb6a
+# %% ../../nbs/77_runs.ipynb #9a64daab
 def _cell(value: Any) -> str:
     if value is None:
         return "-"
