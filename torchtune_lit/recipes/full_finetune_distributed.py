@@ -31,6 +31,7 @@ def setup_process(cfg: DictConfig) -> tuple:
     """Join the process group and seed; rank 0 creates `output_dir` and saves the
     config there. Returns (rank, world_size, device, dtype, data generator, output_dir).
     """
+    training.check_run_values(cfg)
     rank, world_size, device = distributed.init_distributed()
     dtype = training.get_dtype(cfg.dtype, device)
     generator = training.set_seed(cfg.seed)
@@ -95,8 +96,7 @@ def preflight_printer(
                 state_dict=state_dict,
                 world_size=world_size,
             )
-            training.preflight.save_report(report, output_dir)
-            print(training.preflight.format_report(report), flush=True)
+            training.preflight.report_and_check(report, output_dir)
 
     return inspect
 

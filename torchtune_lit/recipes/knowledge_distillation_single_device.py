@@ -191,8 +191,7 @@ def setup(cfg: DictConfig) -> KDRun:
         report = training.preflight.preflight_report(
             cfg, model=student, tokenizer=tokenizer, dataset=loader.dataset
         )
-        training.preflight.save_report(report, output_dir)
-        print(training.preflight.format_report(report))
+        training.preflight.report_and_check(report, output_dir)
     return KDRun(
         cfg=cfg,
         device=device,

@@ -154,8 +154,7 @@ def run_preflight(cfg: DictConfig, model, tokenizer, dataset, output_dir) -> Non
             tokenizer=tokenizer,
             dataset=training.preflight.ChosenView(dataset),
         )
-        training.preflight.save_report(report, output_dir)
-        print(training.preflight.format_report(report))
+        training.preflight.report_and_check(report, output_dir)
 
 # %% ../../nbs/84_lora_dpo_single_device.ipynb #c8b18f77
 @dataclass

@@ -82,8 +82,7 @@ def setup(cfg: DictConfig) -> SimpleNamespace:
         report = training.preflight.preflight_report(
             cfg, model=model, tokenizer=tokenizer, dataset=loader.dataset
         )
-        training.preflight.save_report(report, output_dir)
-        print(training.preflight.format_report(report))
+        training.preflight.report_and_check(report, output_dir)
     accumulation, steps_per_epoch, total_steps, lr_scheduler = (
         training.training_schedule(cfg, len(loader), optimizer)
     )

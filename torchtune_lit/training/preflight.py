@@ -5,9 +5,9 @@
 # %% auto #0
 __all__ = ['FORMAT_FAMILIES', 'data_findings', 'chat_format_findings', 'tokenizer_findings', 'checkpoint_findings',
            'optimisation_findings', 'memory_findings', 'check_first_loss', 'starts_from_scratch', 'warn_on_first_loss',
-           'ChosenView', 'preflight_report', 'format_report', 'save_report']
+           'ChosenView', 'preflight_report', 'format_report', 'save_report', 'report_and_check']
 
-# %% ../../nbs/74_preflight.ipynb #84fc14ff
+# %% ../../nbs/74_preflight.ipynb #07aa23fd
 import json
 import math
 import statistics
@@ -20,20 +20,22 @@ from omegaconf import DictConfig
 import torchtune_lit.config as config
 from ..data._messages import CROSS_ENTROPY_IGNORE_IDX
 
-# %% ../../nbs/74_preflight.ipynb #1e58db62
+# %% ../../nbs/74_preflight.ipynb #00f50cf3
 def _finding(level: str, message: str, **numbers: Any) -> dict[str, Any]:
     return {"level": level, "message": message, **numbers}
 
-# %% ../../nbs/74_preflight.ipynb #2879eacc
+# %% ../../nbs/74_preflight.ipynb #e3fc7864
 def _scan_samples(
     dataset: Any, tokenizer: Any, train_on_input: bool, n: int
-) -> tuple[list[int], int, int, int, int, int]:
+) -> tuple[list[int], int, int, int, int, int, int]:
     """(tokens per sample, trained positions, all positions, samples with nothing to
-    train on, unmasked user/system turns, samples over max_seq_len) of the first `n`
-    samples. The last two re-render each row's messages, so they need a dataset that
-    keeps its rows and message transform (an SFTDataset does).
+    train on, unmasked user/system turns, samples over max_seq_len, samples whose
+    answer is empty) of the first `n` samples. The last three re-render each row's
+    messages, so they need a dataset that keeps its rows and message transform (an
+    SFTDataset does).
     """
     lengths, trained, total, empty, leaked, truncated = [], 0, 0, 0, 0, 0
+    empty_answers = 0
     transform = getattr(dataset, "_message_transform", None)
     rows = getattr(dataset, "_rows", None)
     max_len = getattr(tokenizer, "max_seq_len", None)
@@ -58,9 +60,11 @@ def _scan_samples(
                 leaked += sum(
                     1 for m in messages if m.role in ("user", "system") and not m.masked
                 )
-    return lengths, trained, total, empty, leaked, truncated
+            answers = [m.content for m in messages if m.role == "assistant"]
+            empty_answers += bool(answers) and not any(a.strip() for a in answers)
+    return lengths, trained, total, empty, leaked, truncated, empty_answers
 
-# %% ../../nbs/74_preflight.ipynb #d57d1f75
+# %% ../../nbs/74_preflight.ipynb #032ce744
 def data_findings(
     dataset: Any, tokenizer: Any, train_on_input: bool, max_samples: int = 2000
 ) -> list[dict]:
@@ -68,7 +72,7 @@ def data_findings(
     leaks of up to `max_samples` samples.
     """
     n = min(len(dataset), max_samples)
-    lengths, trained, total, empty, leaked, truncated = _scan_samples(
+    lengths, trained, total, empty, leaked, truncated, empty_answers = _scan_samples(
         dataset, tokenizer, train_on_input, n
     )
     max_len = getattr(tokenizer, "max_seq_len", None)
@@ -88,6 +92,16 @@ def data_findings(
             trained_fraction=trained / total,
         ),
     ]
+    return findings + _data_problems(
+        n, max_len, truncated, empty, empty_answers, leaked
+    )
+
+# %% ../../nbs/74_preflight.ipynb #0984c0c8
+def _data_problems(
+    n: int, max_len: Any, truncated: int, empty: int, empty_answers: int, leaked: int
+) -> list[dict]:
+    "The findings for the data problems counted over `n` samples (none if all is well)."
+    findings = []
     if truncated:
         level = "warn" if truncated / n > 0.05 else "ok"
         findings.append(
@@ -109,6 +123,16 @@ def data_findings(
                 untrainable=empty,
             )
         )
+    if empty_answers:
+        findings.append(
+            _finding(
+                "error" if empty_answers == n else "warn",
+                f"{empty_answers} of {n} samples have an empty answer, so only the "
+                "end-of-turn token is trained on for them; check the column_map's "
+                "output column and the data",
+                empty_answers=empty_answers,
+            )
+        )
     if leaked:
         findings.append(
             _finding(
@@ -122,7 +146,7 @@ def data_findings(
         )
     return findings
 
-# %% ../../nbs/74_preflight.ipynb #0d1bbbb1
+# %% ../../nbs/74_preflight.ipynb #dad15731
 # the Hugging Face model_type(s) each chat format was trained into
 FORMAT_FAMILIES = {
     "Llama3Format": ("llama",),
@@ -182,7 +206,7 @@ def chat_format_findings(
         )
     return findings
 
-# %% ../../nbs/74_preflight.ipynb #5fb321ad
+# %% ../../nbs/74_preflight.ipynb #4f62d068
 def tokenizer_findings(
     tokenizer: Any, model: torch.nn.Module, hf_config: Optional[dict]
 ) -> list[dict]:
@@ -233,7 +257,7 @@ def tokenizer_findings(
             )
     return findings
 
-# %% ../../nbs/74_preflight.ipynb #bf95a483
+# %% ../../nbs/74_preflight.ipynb #54679512
 def _adapter_names(model: torch.nn.Module) -> set[str]:
     "Names of the LoRA and DoRA parameters of `model`."
     return {
@@ -288,7 +312,7 @@ def checkpoint_findings(
         )
     return findings
 
-# %% ../../nbs/74_preflight.ipynb #b4a984fc
+# %% ../../nbs/74_preflight.ipynb #a482ad0d
 def optimisation_findings(
     cfg: DictConfig,
     model: torch.nn.Module,
@@ -304,7 +328,7 @@ def optimisation_findings(
         if cfg.get("lr_scheduler")
         else "constant"
     )
-    return [
+    findings = [
         _finding(
             "ok",
             f"{trainable:,} of {total:,} parameters trainable "
@@ -320,8 +344,18 @@ def optimisation_findings(
             effective_batch=effective,
         ),
     ]
+    if cfg.optimizer.get("lr") == 0:
+        findings.append(
+            _finding(
+                "error",
+                "optimizer.lr is 0, so no weight will change; set a learning rate "
+                "(the tiny configs use 3e-3 for LoRA, 1e-3 for full fine-tuning)",
+                lr=0,
+            )
+        )
+    return findings
 
-# %% ../../nbs/74_preflight.ipynb #1a66aaf4
+# %% ../../nbs/74_preflight.ipynb #4e9c1a0d
 def _device_memory(device: torch.device) -> tuple[Optional[int], str]:
     "(bytes available for training, what they are) on `device`."
     import os
@@ -369,7 +403,7 @@ def _planned_memory(
         estimate.optimizer_states /= world_size
     return estimate, seq_len, checkpointing
 
-# %% ../../nbs/74_preflight.ipynb #346c4bb1
+# %% ../../nbs/74_preflight.ipynb #6bed1e85
 def memory_findings(
     cfg: DictConfig,
     model: torch.nn.Module,
@@ -421,7 +455,7 @@ def memory_findings(
         ]
     return [_finding("ok", message, **numbers)]
 
-# %% ../../nbs/74_preflight.ipynb #a1e49afc
+# %% ../../nbs/74_preflight.ipynb #d246c6de
 def check_first_loss(loss: float, vocab_size: int, pretrained: bool) -> Optional[str]:
     """A warning when a pretrained model's first loss is far above ln(vocab) (a fresh
     output layer's loss), else None.
@@ -449,7 +483,7 @@ def warn_on_first_loss(cfg: DictConfig, loss: float, model: torch.nn.Module) -> 
     if warning:
         print(f"WARNING: {warning}")
 
-# %% ../../nbs/74_preflight.ipynb #77ece25e
+# %% ../../nbs/74_preflight.ipynb #6f8fb412
 class ChosenView:
     """A preference dataset seen through its chosen answers — `{"tokens", "labels"}`
     samples and a message transform returning the chosen conversation — so the data
@@ -471,7 +505,7 @@ class ChosenView:
         sample = self._dataset[index]
         return {"tokens": sample["chosen_input_ids"], "labels": sample["chosen_labels"]}
 
-# %% ../../nbs/74_preflight.ipynb #3d83cc8f
+# %% ../../nbs/74_preflight.ipynb #9766f10c
 def _build_missing(
     cfg: DictConfig,
     model: Optional[torch.nn.Module],
@@ -498,7 +532,7 @@ def _build_missing(
         state_dict = checkpointer.load_checkpoint()["model"]
     return tokenizer, dataset, checkpointer, model, state_dict
 
-# %% ../../nbs/74_preflight.ipynb #76063d9a
+# %% ../../nbs/74_preflight.ipynb #b3c8e7fe
 def preflight_report(
     cfg: DictConfig,
     model: Optional[torch.nn.Module] = None,
@@ -548,7 +582,7 @@ def preflight_report(
         ),
     }
 
-# %% ../../nbs/74_preflight.ipynb #0529c871
+# %% ../../nbs/74_preflight.ipynb #a5265216
 def format_report(report: dict[str, list[dict]]) -> str:
     "The report as text: one line per finding, marked ok / WARN / ERROR."
     marks = {"ok": "  ok  ", "warn": " WARN ", "error": "ERROR "}
@@ -570,3 +604,18 @@ def save_report(report: dict, output_dir: Any) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=1, default=str))
     return path
+
+
+def report_and_check(report: dict, output_dir: Any) -> None:
+    """What a recipe does with its report: save it, print it, and refuse to train when
+    it has an error (preflight=false skips the report, and with it this check)."""
+    save_report(report, output_dir)
+    print(format_report(report), flush=True)
+    errors = [
+        f["message"] for fs in report.values() for f in fs if f["level"] == "error"
+    ]
+    if errors:
+        raise ValueError(
+            f"preflight found {len(errors)} error(s), so training did not start: "
+            f"{'; '.join(errors)}. Fix them, or set preflight=false to train anyway."
+        )
