@@ -80,7 +80,7 @@ def kd_step(
             tokens + int((labels != -100).sum()),
         )
     if tokens == 0:
-        raise RuntimeError(
+        raise ValueError(
             f"step {step} has no trained token; check the dataset's "
             "masking and max_seq_len."
         )

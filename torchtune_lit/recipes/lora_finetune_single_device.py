@@ -120,7 +120,7 @@ def resume_state(cfg: DictConfig, model: torch.nn.Module) -> Optional[dict]:
     if unexpected or set(peft.get_adapter_params(model)) - set(
         state["adapter_weights"]
     ):
-        raise RuntimeError(
+        raise training.CheckpointError(
             f"{folder} does not hold this model's adapters "
             f"(unexpected {unexpected[:3]}); check the LoRA options."
         )

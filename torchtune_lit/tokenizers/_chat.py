@@ -7,14 +7,14 @@ __all__ = ['Segment', 'LLAMA3_PATTERN', 'LLAMA3_SPECIAL_TOKENS', 'Special', 'Lla
            'MistralFormat', 'ModelTokenizer', 'llama3_tokenizer', 'qwen2_5_tokenizer', 'gemma_tokenizer',
            'mistral_tokenizer']
 
-# %% ../../nbs/42_chat_tokenizers.ipynb #d45bfe1b
+# %% ../../nbs/42_chat_tokenizers.ipynb #baae5b0f
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
 from ..data._messages import Message, validate_messages
 
-# %% ../../nbs/42_chat_tokenizers.ipynb #910a90e7
+# %% ../../nbs/42_chat_tokenizers.ipynb #5ce5496a
 @dataclass(frozen=True)
 class Special:
     "A special (control) token, by its text; added by id, never through text encoding."
@@ -49,7 +49,7 @@ class Llama3Format:
             "\n\n",
         ]
 
-# %% ../../nbs/42_chat_tokenizers.ipynb #892f3975
+# %% ../../nbs/42_chat_tokenizers.ipynb #ca9a0b68
 class ChatMLFormat:
     """ChatML as Qwen 2.5 uses it, with Qwen's default system prompt when the
     conversation has none.
@@ -67,7 +67,7 @@ class ChatMLFormat:
     def generation_prompt(self) -> list[Segment]:
         return [Special("<|im_start|>"), "assistant\n"]
 
-# %% ../../nbs/42_chat_tokenizers.ipynb #b57af0bc
+# %% ../../nbs/42_chat_tokenizers.ipynb #9d5146f6
 class GemmaFormat:
     "Gemma / Gemma 2 instruct format (roles user and model; no system turn)."
 
@@ -88,7 +88,7 @@ class GemmaFormat:
     def generation_prompt(self) -> list[Segment]:
         return [Special("<start_of_turn>"), "model\n"]
 
-# %% ../../nbs/42_chat_tokenizers.ipynb #96896cb7
+# %% ../../nbs/42_chat_tokenizers.ipynb #386274eb
 class MistralFormat:
     """Mistral instruct format as in Mistral-7B-Instruct-v0.3, whose [INST]/[/INST] are
     control tokens (no system turn).
@@ -114,7 +114,7 @@ class MistralFormat:
     def generation_prompt(self) -> list[Segment]:
         return []
 
-# %% ../../nbs/42_chat_tokenizers.ipynb #390edfb5
+# %% ../../nbs/42_chat_tokenizers.ipynb #e406f29b
 def _special_token_ids(base_tokenizer: Any, chat_format: Any) -> dict[str, int]:
     """{token: id} for every special token `chat_format` writes (BOS/EOS, end of turn,
     message and generation-prompt markers); an error naming any the tokenizer lacks.
@@ -148,7 +148,7 @@ def _with_default_system(messages: list[Message], chat_format: Any) -> list[Mess
         return [system] + list(messages)
     return messages
 
-# %% ../../nbs/42_chat_tokenizers.ipynb #c98b023f
+# %% ../../nbs/42_chat_tokenizers.ipynb #f5c548ad
 def _encode_segments(
     base_tokenizer: Any, special_tokens: dict[str, int], segments: list[Segment]
 ) -> list[int]:
@@ -173,7 +173,18 @@ def _truncate(
     tokens[-1] = eot_id
     return tokens, mask
 
-# %% ../../nbs/42_chat_tokenizers.ipynb #7dab60b8
+
+def _check_max_seq_len(max_seq_len: Any) -> None:
+    "Refuse a max_seq_len that would leave no token (0) or is not a whole number."
+    if max_seq_len is not None and (
+        not isinstance(max_seq_len, int) or max_seq_len < 1
+    ):
+        raise ValueError(
+            f"max_seq_len must be a whole number >= 1, or null for no limit, got "
+            f"{max_seq_len!r}."
+        )
+
+# %% ../../nbs/42_chat_tokenizers.ipynb #1cc4a9ef
 class ModelTokenizer:
     """A base tokenizer plus a chat format: `tokenize_messages(messages) -> (tokens,
     mask)`, mask True where not trained.
@@ -185,6 +196,7 @@ class ModelTokenizer:
     def __init__(
         self, base_tokenizer: Any, chat_format: Any, max_seq_len: Optional[int] = None
     ) -> None:
+        _check_max_seq_len(max_seq_len)
         self.base = base_tokenizer
         self.chat_format = chat_format
         self.max_seq_len = max_seq_len
@@ -236,7 +248,7 @@ class ModelTokenizer:
         tokens, mask = self.tokenize_messages(sample["messages"])
         return {**sample, "tokens": tokens, "mask": mask}
 
-# %% ../../nbs/42_chat_tokenizers.ipynb #c2e70b94
+# %% ../../nbs/42_chat_tokenizers.ipynb #d5a964ec
 def _base_tokenizer(path: Union[str, Path], tiktoken_kwargs: Optional[dict] = None):
     from torchtune_lit.tokenizers._base import (
         HuggingFaceBaseTokenizer,
@@ -251,7 +263,7 @@ def _base_tokenizer(path: Union[str, Path], tiktoken_kwargs: Optional[dict] = No
         return TikTokenBaseTokenizer(path, **tiktoken_kwargs)
     return SentencePieceBaseTokenizer(path)
 
-# %% ../../nbs/42_chat_tokenizers.ipynb #fc4722cd
+# %% ../../nbs/42_chat_tokenizers.ipynb #fb180b69
 LLAMA3_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -296,7 +308,7 @@ def llama3_tokenizer(
         _base_tokenizer(path, tiktoken_kwargs), Llama3Format(), max_seq_len
     )
 
-# %% ../../nbs/42_chat_tokenizers.ipynb #e98f25b0
+# %% ../../nbs/42_chat_tokenizers.ipynb #f56957f9
 def qwen2_5_tokenizer(
     path: Union[str, Path], max_seq_len: Optional[int] = None
 ) -> ModelTokenizer:

@@ -22,7 +22,7 @@ def init_distributed() -> tuple[int, int, torch.device]:
     world_size, device).
     """
     if "RANK" not in os.environ:
-        raise RuntimeError(
+        raise ValueError(
             "this recipe runs under torchrun: launch it with "
             "'tunelit run --nproc_per_node N <recipe> --config ...'."
         )

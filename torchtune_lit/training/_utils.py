@@ -28,7 +28,7 @@ def get_device(name: str = "cpu") -> torch.device:
     "The torch device `name`; a clear error when CUDA is asked for but absent."
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(
+        raise ValueError(
             f"device={name} was asked for, but CUDA is not available "
             "on this machine; set device=cpu to run on the CPU."
         )
@@ -385,7 +385,7 @@ def train_step(
         loss_sum += loss.item()
         num_tokens += int((labels != -100).sum())
     if num_tokens == 0:
-        raise RuntimeError(
+        raise ValueError(
             f"step {step} has no trained token in any micro-batch: "
             "check the dataset's masking (train_on_input) and max_seq_len."
         )
@@ -440,7 +440,7 @@ def validation_loss(
         tokens += int((labels != -100).sum())
     model.train(was_training)
     if tokens == 0:
-        raise RuntimeError(
+        raise ValueError(
             "the validation data has no trained token: check "
             "validation_dataset's masking and columns."
         )

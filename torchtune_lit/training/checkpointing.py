@@ -6,7 +6,8 @@
 __all__ = ['MODEL_TYPES', 'SUPPORT_FILES', 'CheckpointError', 'FullModelHFCheckpointer', 'load_model_state_dict',
            'check_state_dict', 'write_hf_weights']
 
-# %% ../../nbs/70_checkpointing.ipynb #183f7812
+# %% ../../nbs/70_checkpointing.ipynb #10838276
+import errno
 import json
 import os
 import shutil
@@ -25,8 +26,8 @@ from torchtune_lit.models.convert_weights import (
     tune_to_peft_adapter_weights,
 )
 
-# %% ../../nbs/70_checkpointing.ipynb #98f07877
-class CheckpointError(RuntimeError):
+# %% ../../nbs/70_checkpointing.ipynb #bfada33a
+class CheckpointError(ValueError):
     """A checkpoint that cannot be read or does not fit the model; the message names
     files, keys and shapes.
     """
@@ -46,13 +47,26 @@ MODEL_TYPES = {
 
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
     """All tensors of one checkpoint file: safetensors, or a PyTorch .bin/.pt file
-    loaded with weights_only=True.
+    loaded with weights_only=True. A file that cannot be read is named, with why.
     """
-    if path.suffix == ".safetensors":
-        return load_file(str(path))
-    return torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        if path.suffix == ".safetensors":
+            return load_file(str(path))
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # SafetensorError, UnpicklingError, a truncated zip
+        if "Weights only load failed" in str(e):
+            raise CheckpointError(
+                f"{path} holds pickled Python objects that weights_only=True refuses "
+                "to load (unpickling them could run code); convert the file to "
+                "safetensors from a source you trust."
+            ) from None
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise CheckpointError(
+            f"{path} could not be read ({why}); the file is probably truncated or "
+            f"corrupt ({path.stat().st_size:,} bytes): download it again."
+        ) from e
 
-# %% ../../nbs/70_checkpointing.ipynb #fef1906f
+# %% ../../nbs/70_checkpointing.ipynb #c69116ff
 class FullModelHFCheckpointer:
     """Reads and writes full models in Hugging Face format.
 
@@ -110,7 +124,7 @@ class FullModelHFCheckpointer:
             )
         return in_config
 
-# %% ../../nbs/70_checkpointing.ipynb #66d0860a
+# %% ../../nbs/70_checkpointing.ipynb #2e12bd67
 def _resolve_files(
     self: "FullModelHFCheckpointer", checkpoint_files: Optional[Iterable[str]]
 ) -> list[Path]:
@@ -139,7 +153,7 @@ def _resolve_files(
 
 FullModelHFCheckpointer._resolve_files = _resolve_files
 
-# %% ../../nbs/70_checkpointing.ipynb #f4162db4
+# %% ../../nbs/70_checkpointing.ipynb #a1cddce5
 def _load_checkpoint(
     self: "FullModelHFCheckpointer",
 ) -> dict[str, dict[str, torch.Tensor]]:
@@ -156,6 +170,7 @@ def _load_checkpoint(
                 f"another file, e.g. {duplicated[:3]}."
             )
         merged.update(tensors)
+    _check_config_fits(self, merged)
     cfg = self.config
     num_heads = cfg["num_attention_heads"]
     converted = hf_to_tune(
@@ -174,7 +189,25 @@ def _load_checkpoint(
 
 FullModelHFCheckpointer.load_checkpoint = _load_checkpoint
 
-# %% ../../nbs/70_checkpointing.ipynb #8fc4a9bf
+
+def _check_config_fits(
+    self: "FullModelHFCheckpointer", tensors: dict[str, torch.Tensor]
+) -> None:
+    """Refuse weights whose embedding disagrees with config.json: the model built from
+    that config, and the config copied into every output, would not fit them."""
+    embedding = tensors.get("model.embed_tokens.weight")
+    if embedding is None:
+        return
+    expected = (self.config.get("vocab_size"), self.config.get("hidden_size"))
+    if tuple(embedding.shape) != expected:
+        raise CheckpointError(
+            f"{self.checkpoint_dir}/config.json says vocab_size {expected[0]} and "
+            f"hidden_size {expected[1]}, but the weights' model.embed_tokens.weight "
+            f"is {tuple(embedding.shape)}: the config and the weights belong to "
+            "different models. Fix config.json, or download the folder again."
+        )
+
+# %% ../../nbs/70_checkpointing.ipynb #0c7f5c48
 def load_model_state_dict(
     model: nn.Module,
     state_dict: dict[str, torch.Tensor],
@@ -222,7 +255,7 @@ def check_state_dict(
             "the matching model)."
         )
 
-# %% ../../nbs/70_checkpointing.ipynb #1df8f842
+# %% ../../nbs/70_checkpointing.ipynb #a4a15c68
 def _shard(
     state_dict: dict[str, torch.Tensor], max_shard_bytes: int
 ) -> list[dict[str, torch.Tensor]]:
@@ -270,7 +303,7 @@ def write_hf_weights(
         )
     )
 
-# %% ../../nbs/70_checkpointing.ipynb #7c9ab557
+# %% ../../nbs/70_checkpointing.ipynb #2c3b2f48
 def _write_peft_adapter(
     self: "FullModelHFCheckpointer",
     state_dict: dict[str, Any],
@@ -305,7 +338,7 @@ def _write_peft_adapter(
 
 FullModelHFCheckpointer._write_peft_adapter = _write_peft_adapter
 
-# %% ../../nbs/70_checkpointing.ipynb #811af27b
+# %% ../../nbs/70_checkpointing.ipynb #3fd80d02
 SUPPORT_FILES = (
     "config.json",
     "generation_config.json",
@@ -364,7 +397,7 @@ def _write_checkpoint_files(
 
 FullModelHFCheckpointer._write_checkpoint_files = _write_checkpoint_files
 
-# %% ../../nbs/70_checkpointing.ipynb #38e12ddb
+# %% ../../nbs/70_checkpointing.ipynb #4dbf6ad4
 def _replace_folder(tmp: Path, final: Path) -> None:
     """Move the finished `tmp` folder to `final`; an older `final` is set aside first
     and removed last.
@@ -388,7 +421,7 @@ def _recover_interrupted_save(final: Path) -> None:
     if old.exists() and not final.exists():
         os.replace(old, final)
 
-# %% ../../nbs/70_checkpointing.ipynb #141c5f30
+# %% ../../nbs/70_checkpointing.ipynb #07764bb2
 def _save_checkpoint(
     self: "FullModelHFCheckpointer",
     state_dict: dict[str, Any],
@@ -413,12 +446,30 @@ def _save_checkpoint(
         self._write_checkpoint_files(
             state_dict, tmp, intermediate_checkpoint, adapter_only, max_shard_bytes
         )
-    except BaseException:
-        # never leave a half-written folder behind
-        shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException as e:
+        full = isinstance(e, Exception) and _disk_full(e, tmp)
+        shutil.rmtree(tmp, ignore_errors=True)  # never leave a half-written folder
+        if full:
+            raise OSError(
+                errno.ENOSPC,
+                f"no space left on {self.output_dir} while writing {final.name}; free "
+                "some space or choose another output_dir (nothing of the previous "
+                "checkpoints was lost)",
+            ) from e
         raise
     _replace_folder(tmp, final)
     return final
+
+
+def _disk_full(error: Exception, folder: Path) -> bool:
+    """Did a write fail because the disk is full? The writers say so differently: an
+    OSError with ENOSPC, 'os error 28' from safetensors, and only an 'unexpected pos' or
+    'iostream error' from torch.save — so an empty disk decides those."""
+    if getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    if "os error 28" in str(error) or "No space left" in str(error):
+        return True
+    return shutil.disk_usage(folder).free < 2**20
 
 
 FullModelHFCheckpointer.save_checkpoint = _save_checkpoint

@@ -7,17 +7,18 @@ __all__ = ['RUN_FILES', 'RUN_FOLDERS', 'IGNORED_ON_RESUME', 'REWARD_KEYS', 'run_
            'check_resume_config', 'EpochResult', 'RunInfo', 'RunLog', 'start_run', 'point_best', 'EpochTracker',
            'finish_run', 'RunTracker', 'read_log', 'plot_run', 'run_summary', 'runs_table']
 
-# %% ../../nbs/77_runs.ipynb #b5e20d4c
+# %% ../../nbs/77_runs.ipynb #a26db033
 import json
 import os
 import shutil
+import tempfile
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
-# %% ../../nbs/77_runs.ipynb #bffedef7
+# %% ../../nbs/77_runs.ipynb #33293e55
 RUN_FILES = ("config.yaml", "log.jsonl", "run.json", "preflight.json")
 RUN_FOLDERS = ("epoch_*", "step_*", "best", ".epoch_*", ".step_*")
 
@@ -48,6 +49,8 @@ def claim_output_dir(
     the run resumes it or `overwrite` says to remove them (only the run's own files)."""
     folder = Path(output_dir)
     previous = run_outputs(folder)
+    if resume:
+        _refuse_finished_run(folder)
     if previous and not resume and not overwrite:
         raise FileExistsError(
             f"output_dir {folder} already holds a run ({_describe(previous)}). Pass "
@@ -61,9 +64,38 @@ def claim_output_dir(
             else:
                 path.unlink()
     folder.mkdir(parents=True, exist_ok=True)
+    _check_writable(folder)
     return folder
 
-# %% ../../nbs/77_runs.ipynb #b163a9f9
+# %% ../../nbs/77_runs.ipynb #d6777c6f
+def _refuse_finished_run(folder: Path) -> None:
+    "A finished run has nothing to resume: say so, and how to train it further."
+    info = (
+        json.loads((folder / "run.json").read_text())
+        if (folder / "run.json").exists()
+        else {}
+    )
+    if info.get("status") == "finished":
+        raise ValueError(
+            f"the run in {folder} finished ({info.get('steps')} steps, at "
+            f"{info.get('finished')}): there is nothing to resume. To train it "
+            "further, start a new run in another output_dir from its weights "
+            f"(checkpointer.checkpoint_dir={folder / 'best'} or an epoch_N folder)."
+        )
+
+
+def _check_writable(folder: Path) -> None:
+    "Refuse an output folder this process cannot write into, before any work is done."
+    try:
+        probe = tempfile.NamedTemporaryFile(dir=folder, prefix=".write-test-")
+        probe.close()
+    except OSError as e:
+        raise PermissionError(
+            f"output_dir {folder} is not writable ({e.strerror}); choose another "
+            "output_dir or change the folder's permissions."
+        ) from None
+
+# %% ../../nbs/77_runs.ipynb #2fda7878
 def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
     if isinstance(node, dict):
         out = {}
@@ -105,7 +137,7 @@ def check_resume_config(saved: dict, current: dict) -> list[str]:
         for k, (a, b) in changes.items()
     ]
 
-# %% ../../nbs/77_runs.ipynb #38fe3634
+# %% ../../nbs/77_runs.ipynb #e954909a
 def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
@@ -151,7 +183,7 @@ class RunInfo:
         data["epochs"] = [EpochResult(**e) for e in data.get("epochs", [])]
         return cls(**data)
 
-# %% ../../nbs/77_runs.ipynb #aeb05400
+# %% ../../nbs/77_runs.ipynb #26d02a51
 class RunLog:
     """Append one JSON line per optimizer step to `output_dir/log.jsonl`, with the run
     id and the wall-clock time; flushed at once so a killed run keeps its lines."""
@@ -186,7 +218,7 @@ def start_run(
     info.save(folder)
     return info
 
-# %% ../../nbs/77_runs.ipynb #bb5491e4
+# %% ../../nbs/77_runs.ipynb #73391ba7
 def point_best(output_dir: Union[str, Path], epoch_folder: Union[str, Path]) -> Path:
     "Make `output_dir/best` refer to `epoch_folder` (a relative link, else a copy)."
     folder, target = Path(output_dir), Path(epoch_folder)
@@ -204,7 +236,7 @@ def point_best(output_dir: Union[str, Path], epoch_folder: Union[str, Path]) -> 
         shutil.copytree(target, best)
     return best
 
-# %% ../../nbs/77_runs.ipynb #792f3326
+# %% ../../nbs/77_runs.ipynb #7c937490
 class EpochTracker:
     """Records each finished epoch in `info`, keeps `best` on the lowest validation
     loss, prunes old epoch folders, and decides early stopping."""
@@ -259,7 +291,7 @@ class EpochTracker:
                 continue
             shutil.rmtree(old.folder, ignore_errors=True)
 
-# %% ../../nbs/77_runs.ipynb #4ef6ecbc
+# %% ../../nbs/77_runs.ipynb #febaeed7
 def finish_run(
     output_dir: Union[str, Path],
     info: RunInfo,
@@ -301,7 +333,7 @@ def finish_run(
         lines.append(f"  last epoch: {info.epochs[-1].folder}")
     return "\n".join(lines)
 
-# %% ../../nbs/77_runs.ipynb #da2acc7d
+# %% ../../nbs/77_runs.ipynb #25ba4f7d
 class RunTracker:
     """run.json, log.jsonl, the epoch tracker, the optional `metric_logger` and the
     progress bar of one training run."""
@@ -364,7 +396,7 @@ class RunTracker:
             self.cfg.get("evaluate_with"),
         )
 
-# %% ../../nbs/77_runs.ipynb #b2d3613a
+# %% ../../nbs/77_runs.ipynb #6fe4e090
 def _end_epoch(
     self: RunTracker,
     epoch: int,
@@ -390,7 +422,7 @@ def _end_epoch(
 
 RunTracker.end_epoch = _end_epoch
 
-# %% ../../nbs/77_runs.ipynb #1668dbfe
+# %% ../../nbs/77_runs.ipynb #bd42eacc
 def read_log(output_dir: Union[str, Path]) -> list[dict]:
     "The step records of a run's log.jsonl."
     path = Path(output_dir) / "log.jsonl"
@@ -449,7 +481,7 @@ def plot_run(output_dir: Union[str, Path], path: Optional[Union[str, Path]] = No
     fig.savefig(out, dpi=110)
     return out
 
-# %% ../../nbs/77_runs.ipynb #a9fb8e86
+# %% ../../nbs/77_runs.ipynb #4c2345a6
 def _accuracy(folder: Path) -> Optional[float]:
     "The accuracy in eval_best/eval.json, else in the newest eval*/eval.json, or None."
     found = [folder / "eval_best" / "eval.json"]
@@ -482,7 +514,7 @@ def run_summary(output_dir: Union[str, Path]) -> dict:
         "accuracy": _accuracy(folder),
     }
 
-# %% ../../nbs/77_runs.ipynb #9a64daab
+# %% ../../nbs/77_runs.ipynb #28fff2b6
 def _cell(value: Any) -> str:
     if value is None:
         return "-"

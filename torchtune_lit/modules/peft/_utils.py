@@ -165,7 +165,7 @@ def validate_missing_and_unexpected_for_lora(
         if keys:
             problems.append(f"unexpected {label} keys {keys[:5]}")
     if problems:
-        raise RuntimeError(
+        raise ValueError(
             "checkpoint does not fit the LoRA model: "
             + "; ".join(problems)
             + ". Check the LoRA options (lora_attn_modules, apply_lora_to_mlp, "
