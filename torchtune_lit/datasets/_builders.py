@@ -6,7 +6,7 @@
 __all__ = ['load_rows', 'check_columns', 'SFTDataset', 'instruct_dataset', 'chat_dataset', 'PreferenceDataset',
            'preference_dataset', 'TextCompletionDataset', 'text_completion_dataset']
 
-# %% ../../nbs/43_datasets.ipynb #fe5a73c6
+# %% ../../nbs/43_datasets.ipynb #a64324b6
 import socket
 import urllib.parse
 import warnings
@@ -25,7 +25,7 @@ from torchtune_lit.data._messages import (
     ShareGPTToMessages,
 )
 
-# %% ../../nbs/43_datasets.ipynb #f94adfc3
+# %% ../../nbs/43_datasets.ipynb #08f27b8e
 def _local_files(data_files: Any) -> list[Path]:
     "The local paths among a `data_files` value (a path, a list, or {split: paths})."
     if isinstance(data_files, Mapping):
@@ -53,7 +53,7 @@ def _check_hub_reachable(source: str) -> None:
             "copy, or use source: json with data_files: PATH."
         ) from None
 
-# %% ../../nbs/43_datasets.ipynb #36bfcf58
+# %% ../../nbs/43_datasets.ipynb #b778b102
 def load_rows(
     source: str,
     split: str = "train",
@@ -70,8 +70,14 @@ def load_rows(
         if path.stat().st_size == 0:
             raise ValueError(f"{where}: the file {path} is empty; add rows to it.")
     _check_hub_reachable(source)
+    local = source in datasets.packaged_modules._PACKAGED_DATASETS_MODULES
+    bars_on = datasets.utils.is_progress_bar_enabled()
+    if local:  # reading a local file needs no progress bar on stderr
+        datasets.disable_progress_bars()
     try:
         rows = datasets.load_dataset(source, split=split, **load_dataset_kwargs)
+        if filter_fn is not None:
+            rows = rows.filter(filter_fn)
     except FileNotFoundError as e:
         raise FileNotFoundError(
             f"could not load {where}: {e}. For local files use source: json (or csv, "
@@ -80,13 +86,14 @@ def load_rows(
     except (ValueError, StopIteration, datasets.exceptions.DatasetGenerationError) as e:
         why = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ValueError(f"could not load {where}: {why}") from e
-    if filter_fn is not None:
-        rows = rows.filter(filter_fn)
+    finally:
+        if local and bars_on:
+            datasets.enable_progress_bars()
     if len(rows) == 0:
         raise ValueError(f"{where} has no rows (after filter_fn, if one is given).")
     return rows
 
-# %% ../../nbs/43_datasets.ipynb #5e676342
+# %% ../../nbs/43_datasets.ipynb #8ff39193
 class _RecordingRow(dict):
     "A row that remembers which columns were read from it."
 
@@ -129,7 +136,7 @@ def check_columns(rows: Any, message_transform: Callable) -> None:
     if failure is not None:
         raise failure
 
-# %% ../../nbs/43_datasets.ipynb #3d86cfc0
+# %% ../../nbs/43_datasets.ipynb #e73bc1e5
 class SFTDataset(Dataset):
     """Rows -> `message_transform` -> `model_transform` (a model tokenizer) ->
     {"tokens", "labels"}.
@@ -180,7 +187,7 @@ class SFTDataset(Dataset):
                 )
         return {"tokens": list(sample["tokens"]), "labels": [int(l) for l in labels]}
 
-# %% ../../nbs/43_datasets.ipynb #58f55979
+# %% ../../nbs/43_datasets.ipynb #6ec1bfa5
 def _maybe_pack(ds: Dataset, tokenizer: Any, packed: bool) -> Dataset:
     if not packed:
         return ds
@@ -221,7 +228,7 @@ def instruct_dataset(
     )
     return _maybe_pack(ds, tokenizer, packed)
 
-# %% ../../nbs/43_datasets.ipynb #fb75a48e
+# %% ../../nbs/43_datasets.ipynb #06aa2cec
 def chat_dataset(
     tokenizer: Any,
     *,
@@ -258,7 +265,7 @@ def chat_dataset(
     )
     return _maybe_pack(ds, tokenizer, packed)
 
-# %% ../../nbs/43_datasets.ipynb #27f57bf7
+# %% ../../nbs/43_datasets.ipynb #af162c41
 class PreferenceDataset(Dataset):
     """Rows with 'chosen' and 'rejected' conversations -> chosen/rejected input ids and
     labels.
@@ -318,7 +325,7 @@ def preference_dataset(
         **load_dataset_kwargs,
     )
 
-# %% ../../nbs/43_datasets.ipynb #e752dcf3
+# %% ../../nbs/43_datasets.ipynb #73b8bb1f
 class TextCompletionDataset(Dataset):
     "Plain text rows -> tokens, all trained on."
 
