@@ -6,7 +6,7 @@
 __all__ = ['load_rows', 'check_columns', 'SFTDataset', 'instruct_dataset', 'chat_dataset', 'PreferenceDataset',
            'preference_dataset', 'TextCompletionDataset', 'text_completion_dataset']
 
-# %% ../../nbs/43_datasets.ipynb #a64324b6
+# %% ../../nbs/43_datasets.ipynb #60e82ccc
 import socket
 import urllib.parse
 import warnings
@@ -25,7 +25,7 @@ from torchtune_lit.data._messages import (
     ShareGPTToMessages,
 )
 
-# %% ../../nbs/43_datasets.ipynb #08f27b8e
+# %% ../../nbs/43_datasets.ipynb #2656f961
 def _local_files(data_files: Any) -> list[Path]:
     "The local paths among a `data_files` value (a path, a list, or {split: paths})."
     if isinstance(data_files, Mapping):
@@ -53,7 +53,7 @@ def _check_hub_reachable(source: str) -> None:
             "copy, or use source: json with data_files: PATH."
         ) from None
 
-# %% ../../nbs/43_datasets.ipynb #b778b102
+# %% ../../nbs/43_datasets.ipynb #5965c5c7
 def load_rows(
     source: str,
     split: str = "train",
@@ -93,7 +93,7 @@ def load_rows(
         raise ValueError(f"{where} has no rows (after filter_fn, if one is given).")
     return rows
 
-# %% ../../nbs/43_datasets.ipynb #8ff39193
+# %% ../../nbs/43_datasets.ipynb #7c488c0e
 class _RecordingRow(dict):
     "A row that remembers which columns were read from it."
 
@@ -136,7 +136,7 @@ def check_columns(rows: Any, message_transform: Callable) -> None:
     if failure is not None:
         raise failure
 
-# %% ../../nbs/43_datasets.ipynb #e73bc1e5
+# %% ../../nbs/43_datasets.ipynb #fc312e79
 class SFTDataset(Dataset):
     """Rows -> `message_transform` -> `model_transform` (a model tokenizer) ->
     {"tokens", "labels"}.
@@ -187,7 +187,7 @@ class SFTDataset(Dataset):
                 )
         return {"tokens": list(sample["tokens"]), "labels": [int(l) for l in labels]}
 
-# %% ../../nbs/43_datasets.ipynb #6ec1bfa5
+# %% ../../nbs/43_datasets.ipynb #db215a11
 def _maybe_pack(ds: Dataset, tokenizer: Any, packed: bool) -> Dataset:
     if not packed:
         return ds
@@ -228,7 +228,7 @@ def instruct_dataset(
     )
     return _maybe_pack(ds, tokenizer, packed)
 
-# %% ../../nbs/43_datasets.ipynb #06aa2cec
+# %% ../../nbs/43_datasets.ipynb #4396a153
 def chat_dataset(
     tokenizer: Any,
     *,
@@ -265,7 +265,7 @@ def chat_dataset(
     )
     return _maybe_pack(ds, tokenizer, packed)
 
-# %% ../../nbs/43_datasets.ipynb #af162c41
+# %% ../../nbs/43_datasets.ipynb #29f07f00
 class PreferenceDataset(Dataset):
     """Rows with 'chosen' and 'rejected' conversations -> chosen/rejected input ids and
     labels.
@@ -325,7 +325,7 @@ def preference_dataset(
         **load_dataset_kwargs,
     )
 
-# %% ../../nbs/43_datasets.ipynb #73b8bb1f
+# %% ../../nbs/43_datasets.ipynb #c046d887
 class TextCompletionDataset(Dataset):
     "Plain text rows -> tokens, all trained on."
 

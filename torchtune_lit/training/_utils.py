@@ -9,7 +9,7 @@ __all__ = ['DTYPES', 'RUN_COUNTS', 'get_device', 'get_dtype', 'set_seed', 'scale
            'make_recipe_state', 'restore_training_state', 'resume_position', 'truncate_log', 'shift_labels',
            'summed_cross_entropy', 'train_step', 'validation_loss']
 
-# %% ../../nbs/71_training_utils.ipynb #7e11de2c
+# %% ../../nbs/71_training_utils.ipynb #a1a61942
 import json
 import math
 import random
@@ -20,7 +20,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-# %% ../../nbs/71_training_utils.ipynb #6aaf4dab
+# %% ../../nbs/71_training_utils.ipynb #28c03b8a
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -62,7 +62,7 @@ def get_dtype(name: str = "fp32", device: Optional[torch.device] = None) -> torc
         return torch.float32
     return DTYPES[name]
 
-# %% ../../nbs/71_training_utils.ipynb #4a461fd3
+# %% ../../nbs/71_training_utils.ipynb #50c4cae8
 def set_seed(seed: int) -> torch.Generator:
     """Seed Python and torch; return a torch Generator seeded the same way (for the data
     sampler).
@@ -88,7 +88,7 @@ def check_loss_is_finite(loss: float, step: int) -> None:
             "for empty or corrupt samples."
         )
 
-# %% ../../nbs/71_training_utils.ipynb #0156f0c2
+# %% ../../nbs/71_training_utils.ipynb #ff021d23
 RUN_COUNTS = (  # whole numbers >= 1, or null where the recipe has a default
     "max_steps_per_epoch",
     "gradient_accumulation_steps",
@@ -140,7 +140,7 @@ def check_run_values(cfg: Any) -> None:
             f"optimizer.lr must be >= 0, got {lr!r}: it would train uphill."
         )
 
-# %% ../../nbs/71_training_utils.ipynb #02551061
+# %% ../../nbs/71_training_utils.ipynb #767594aa
 def setup_run(cfg: Any) -> tuple[torch.device, torch.dtype, torch.Generator, Path]:
     """(device, dtype, data generator, output_dir) for a recipe config. Claims
     output_dir for this run (another run's folder is refused unless resumed or
@@ -164,7 +164,7 @@ def setup_run(cfg: Any) -> tuple[torch.device, torch.dtype, torch.Generator, Pat
     OmegaConf.save(cfg, saved)
     return device, dtype, generator, output_dir
 
-# %% ../../nbs/71_training_utils.ipynb #ae24289b
+# %% ../../nbs/71_training_utils.ipynb #c0966cd5
 class JsonlLogger:
     "Append one JSON object per `log` call to `log_dir/filename`, flushed immediately."
 
@@ -187,7 +187,7 @@ def read_jsonl(path: Union[str, Path]) -> list[dict]:
         json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()
     ]
 
-# %% ../../nbs/71_training_utils.ipynb #9ae1a976
+# %% ../../nbs/71_training_utils.ipynb #457d3c4d
 def training_schedule(
     cfg: Any, num_batches: int, optimizer: torch.optim.Optimizer
 ) -> tuple[int, int, int, Any]:
@@ -221,7 +221,7 @@ def training_schedule(
     )
     return accumulation, steps_per_epoch, total_steps, lr_scheduler
 
-# %% ../../nbs/71_training_utils.ipynb #02047e20
+# %% ../../nbs/71_training_utils.ipynb #ebe033c4
 def capture_rng_state(epoch_generator_state: torch.Tensor) -> dict[str, Any]:
     """Python's and torch's random states now, and the data generator's state at the
     start of the current epoch.
@@ -244,7 +244,7 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
-# %% ../../nbs/71_training_utils.ipynb #c2cbf6c6
+# %% ../../nbs/71_training_utils.ipynb #300c0c69
 def latest_step_checkpoint(output_dir: Union[str, Path]) -> Optional[Path]:
     """The newest complete `step_N` folder (one with recipe_state.pt) under
     `output_dir`, or None.
@@ -275,7 +275,7 @@ def prune_step_checkpoints(output_dir: Union[str, Path], keep: int) -> None:
     for old in folders[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
 
-# %% ../../nbs/71_training_utils.ipynb #c03b1ed9
+# %% ../../nbs/71_training_utils.ipynb #1b665de7
 def make_recipe_state(
     optimizer: torch.optim.Optimizer,
     lr_scheduler: Any,
@@ -305,7 +305,7 @@ def restore_training_state(
     if lr_scheduler is not None and state.get("lr_scheduler") is not None:
         lr_scheduler.load_state_dict(state["lr_scheduler"])
 
-# %% ../../nbs/71_training_utils.ipynb #12fed73f
+# %% ../../nbs/71_training_utils.ipynb #d50aa734
 def resume_position(
     state: Optional[dict[str, Any]],
     optimizer: torch.optim.Optimizer,
@@ -339,7 +339,7 @@ def truncate_log(path: Union[str, Path], last_step: int) -> None:
         ]
         path.write_text("".join(line + "\n" for line in kept))
 
-# %% ../../nbs/71_training_utils.ipynb #6ae5cad0
+# %% ../../nbs/71_training_utils.ipynb #b6590709
 def shift_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
     "Labels for next-token prediction: labels[:, 1:] followed by one ignored position."
     return torch.cat(
@@ -367,7 +367,7 @@ def summed_cross_entropy(
         reduction="sum",
     )
 
-# %% ../../nbs/71_training_utils.ipynb #716a33b3
+# %% ../../nbs/71_training_utils.ipynb #3f3cfa99
 def train_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -419,7 +419,7 @@ def train_step(
         metrics["grad_norm"] = grad_norm
     return metrics
 
-# %% ../../nbs/71_training_utils.ipynb #bfbef3eb
+# %% ../../nbs/71_training_utils.ipynb #02a41c0a
 @torch.no_grad()
 def validation_loss(
     model: nn.Module,

@@ -7,7 +7,7 @@ __all__ = ['RUN_FILES', 'RUN_FOLDERS', 'IGNORED_ON_RESUME', 'REWARD_KEYS', 'run_
            'check_resume_config', 'EpochResult', 'RunInfo', 'RunLog', 'start_run', 'point_best', 'EpochTracker',
            'finish_run', 'RunTracker', 'read_log', 'plot_run', 'run_summary', 'runs_table']
 
-# %% ../../nbs/77_runs.ipynb #a26db033
+# %% ../../nbs/77_runs.ipynb #632c5c1e
 import json
 import os
 import shutil
@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
-# %% ../../nbs/77_runs.ipynb #33293e55
+# %% ../../nbs/77_runs.ipynb #9183d6b2
 RUN_FILES = ("config.yaml", "log.jsonl", "run.json", "preflight.json")
 RUN_FOLDERS = ("epoch_*", "step_*", "best", ".epoch_*", ".step_*")
 
@@ -46,12 +46,15 @@ def claim_output_dir(
     output_dir: Union[str, Path], resume: bool = False, overwrite: bool = False
 ) -> Path:
     """Make `output_dir` this run's: refuse one that holds another run's outputs unless
-    the run resumes it or `overwrite` says to remove them (only the run's own files)."""
+    the run resumes it or `overwrite` says to remove them (only the run's own files).
+    A config.yaml and preflight.json alone are what a run that stopped before training
+    leaves: they are replaced."""
     folder = Path(output_dir)
     previous = run_outputs(folder)
+    started = [p for p in previous if p.name not in ("config.yaml", "preflight.json")]
     if resume:
         _refuse_finished_run(folder)
-    if previous and not resume and not overwrite:
+    if started and not resume and not overwrite:
         raise FileExistsError(
             f"output_dir {folder} already holds a run ({_describe(previous)}). Pass "
             "overwrite=true to replace it, resume_from_checkpoint=true to continue "
@@ -67,7 +70,7 @@ def claim_output_dir(
     _check_writable(folder)
     return folder
 
-# %% ../../nbs/77_runs.ipynb #d6777c6f
+# %% ../../nbs/77_runs.ipynb #93fda4ec
 def _refuse_finished_run(folder: Path) -> None:
     "A finished run has nothing to resume: say so, and how to train it further."
     info = (
@@ -95,7 +98,7 @@ def _check_writable(folder: Path) -> None:
             "output_dir or change the folder's permissions."
         ) from None
 
-# %% ../../nbs/77_runs.ipynb #2fda7878
+# %% ../../nbs/77_runs.ipynb #cd9695e5
 def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
     if isinstance(node, dict):
         out = {}
@@ -137,7 +140,7 @@ def check_resume_config(saved: dict, current: dict) -> list[str]:
         for k, (a, b) in changes.items()
     ]
 
-# %% ../../nbs/77_runs.ipynb #e954909a
+# %% ../../nbs/77_runs.ipynb #d05bc9cb
 def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
@@ -183,7 +186,7 @@ class RunInfo:
         data["epochs"] = [EpochResult(**e) for e in data.get("epochs", [])]
         return cls(**data)
 
-# %% ../../nbs/77_runs.ipynb #26d02a51
+# %% ../../nbs/77_runs.ipynb #8db6a745
 class RunLog:
     """Append one JSON line per optimizer step to `output_dir/log.jsonl`, with the run
     id and the wall-clock time; flushed at once so a killed run keeps its lines."""
@@ -218,7 +221,7 @@ def start_run(
     info.save(folder)
     return info
 
-# %% ../../nbs/77_runs.ipynb #73391ba7
+# %% ../../nbs/77_runs.ipynb #4fe6ee3f
 def point_best(output_dir: Union[str, Path], epoch_folder: Union[str, Path]) -> Path:
     "Make `output_dir/best` refer to `epoch_folder` (a relative link, else a copy)."
     folder, target = Path(output_dir), Path(epoch_folder)
@@ -236,7 +239,7 @@ def point_best(output_dir: Union[str, Path], epoch_folder: Union[str, Path]) -> 
         shutil.copytree(target, best)
     return best
 
-# %% ../../nbs/77_runs.ipynb #7c937490
+# %% ../../nbs/77_runs.ipynb #2e95a789
 class EpochTracker:
     """Records each finished epoch in `info`, keeps `best` on the lowest validation
     loss, prunes old epoch folders, and decides early stopping."""
@@ -291,7 +294,7 @@ class EpochTracker:
                 continue
             shutil.rmtree(old.folder, ignore_errors=True)
 
-# %% ../../nbs/77_runs.ipynb #febaeed7
+# %% ../../nbs/77_runs.ipynb #8c15b581
 def finish_run(
     output_dir: Union[str, Path],
     info: RunInfo,
@@ -333,7 +336,7 @@ def finish_run(
         lines.append(f"  last epoch: {info.epochs[-1].folder}")
     return "\n".join(lines)
 
-# %% ../../nbs/77_runs.ipynb #25ba4f7d
+# %% ../../nbs/77_runs.ipynb #3683dd6c
 class RunTracker:
     """run.json, log.jsonl, the epoch tracker, the optional `metric_logger` and the
     progress bar of one training run."""
@@ -396,7 +399,7 @@ class RunTracker:
             self.cfg.get("evaluate_with"),
         )
 
-# %% ../../nbs/77_runs.ipynb #6fe4e090
+# %% ../../nbs/77_runs.ipynb #5bcb060b
 def _end_epoch(
     self: RunTracker,
     epoch: int,
@@ -422,7 +425,7 @@ def _end_epoch(
 
 RunTracker.end_epoch = _end_epoch
 
-# %% ../../nbs/77_runs.ipynb #bd42eacc
+# %% ../../nbs/77_runs.ipynb #dab34c83
 def read_log(output_dir: Union[str, Path]) -> list[dict]:
     "The step records of a run's log.jsonl."
     path = Path(output_dir) / "log.jsonl"
@@ -481,7 +484,7 @@ def plot_run(output_dir: Union[str, Path], path: Optional[Union[str, Path]] = No
     fig.savefig(out, dpi=110)
     return out
 
-# %% ../../nbs/77_runs.ipynb #4c2345a6
+# %% ../../nbs/77_runs.ipynb #2b3d551e
 def _accuracy(folder: Path) -> Optional[float]:
     "The accuracy in eval_best/eval.json, else in the newest eval*/eval.json, or None."
     found = [folder / "eval_best" / "eval.json"]
@@ -514,7 +517,7 @@ def run_summary(output_dir: Union[str, Path]) -> dict:
         "accuracy": _accuracy(folder),
     }
 
-# %% ../../nbs/77_runs.ipynb #28fff2b6
+# %% ../../nbs/77_runs.ipynb #ab558e10
 def _cell(value: Any) -> str:
     if value is None:
         return "-"
