@@ -102,7 +102,10 @@ def test_unknown_component(tmp_path):
                      "model._component_=torchtune_lit.models.tiny.tiny_lama")
     assert_one_line_error(result, "model._component_", "'tiny_llama'")
     assert_one_line_error(tunelit("validate", "--config", "tiny/full", "optimizer.lr_rate=1"),
-                          "1 problem(s)", "no argument 'lr_rate'", one_line=False)
+                          "optimizer: torch.optim.AdamW has no argument 'lr_rate'", "Its arguments are: params, lr,")
+    both = tunelit("validate", "--config", "tiny/full", "optimizer.lr_rate=1", "model._component_=torch.nn.Lineer")
+    assert both.returncode == 1 and both.stderr.startswith("tunelit validate: 2 problems in the config:")
+    assert len(both.stderr.splitlines()) == 3  # one line per problem
 
 
 def test_accumulation_beyond_the_data_is_refused(tmp_path):

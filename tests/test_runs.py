@@ -45,6 +45,8 @@ def test_a_second_run_is_refused_and_loses_nothing(tmp_path):
 def test_resume_refuses_a_changed_model(tmp_path):
     run = tmp_path / "run"
     assert lora(run, "epochs=1", "save_every_n_steps=2").returncode == 0
+    info = json.loads((run / "run.json").read_text())  # as a run killed after step 2 leaves it
+    (run / "run.json").write_text(json.dumps(dict(info, status="running", finished=None)))
     changed = lora(run, "epochs=1", "save_every_n_steps=2", "resume_from_checkpoint=true", "model.lora_rank=4")
     assert changed.returncode != 0 and "Traceback" not in changed.stderr
     assert "cannot resume: the model changed since the run started (model.lora_rank: 8 -> 4)" in changed.stderr

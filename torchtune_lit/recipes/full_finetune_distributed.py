@@ -96,7 +96,10 @@ def preflight_printer(
                 state_dict=state_dict,
                 world_size=world_size,
             )
-            training.preflight.report_and_check(report, output_dir)
+            # print only: stopping rank 0 alone would leave the other ranks waiting;
+            # a checkpoint that does not fit is refused on every rank just after
+            training.preflight.save_report(report, output_dir)
+            print(training.preflight.format_report(report), flush=True)
 
     return inspect
 
