@@ -9,17 +9,22 @@ BIN := $(VENV)/bin
 setup: $(VENV)/.installed
 
 # PyTorch first, pinned: an unpinned torch pulled in by a dependency would fetch a multi-GB CUDA build.
-$(VENV)/.installed: setup.py settings.ini
+# The main job needs the runtime and matplotlib only; the tests add the dev and docs extras on top.
+$(VENV)/.installed-main: setup.py settings.ini
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[plot]"
+	touch $@
+
+$(VENV)/.installed: $(VENV)/.installed-main
 	$(BIN)/python -m pip install -q -e ".[dev,docs]"
 	touch $@
 
 # The main job: held-out accuracy of the shipped tiny base, a LoRA fine-tune on the column-type task (every epoch
 # saved, best/ = lowest validation loss), the accuracy of best/, and the run's loss curves. It owns
 # /tmp/torchtune_lit/tiny_lora: overwrite=true replaces the previous main job's run there.
-main: setup
+main: $(VENV)/.installed-main
 	$(BIN)/tunelit run eval_accuracy --config tiny/eval output_dir=/tmp/torchtune_lit/tiny_eval_before
 	$(BIN)/tunelit run lora_finetune_single_device --config tiny/lora overwrite=true
 	$(BIN)/tunelit run eval_accuracy --config tiny/eval checkpointer.checkpoint_dir=/tmp/torchtune_lit/tiny_lora/best \

@@ -16,7 +16,7 @@ missing = [k for k in expected if k not in cfg]
 if missing:
     raise SystemExit(f"settings.ini is missing {missing}: add them under [DEFAULT].")
 
-licenses = {"apache2": ("Apache Software License 2.0", "OSI Approved :: Apache Software License")}
+licenses = {"apache2": "Apache-2.0"}  # an SPDX expression (license classifiers are deprecated)
 statuses = ["1 - Planning", "2 - Pre-Alpha", "3 - Alpha", "4 - Beta", "5 - Production/Stable",
             "6 - Mature", "7 - Inactive"]
 py_versions = "3.10 3.11 3.12 3.13".split()
@@ -26,22 +26,23 @@ min_python = cfg["min_python"]
 requirements = cfg.get("requirements", "").split()
 dev_requirements = cfg.get("dev_requirements", "").split()
 docs_requirements = cfg.get("docs_requirements", "").split()
+plot_requirements = cfg.get("plot_requirements", "").split()
 
 setuptools.setup(
     name=cfg["lib_name"],
-    license=lic[0],
+    license=lic,
     classifiers=[
-        "Development Status :: " + statuses[int(cfg["status"])],
+        "Development Status :: " + statuses[int(cfg["status"]) - 1],  # status 3 = "3 - Alpha"
         "Intended Audience :: " + cfg["audience"].title(),
-        "License :: " + lic[1],
         "Natural Language :: " + cfg["language"].title(),
     ] + [f"Programming Language :: Python :: {o}" for o in py_versions[py_versions.index(min_python):]],
     url=cfg["git_url"],
-    packages=setuptools.find_packages(include=["torchtune_lit", "torchtune_lit.*"]),
+    # namespace packages too, so the data folders (assets/, configs/) are packages setuptools knows about
+    packages=setuptools.find_namespace_packages(include=["torchtune_lit", "torchtune_lit.*"]),
     include_package_data=True,
     package_data={"torchtune_lit": ["recipes/configs/**/*.yaml", "assets/**/*"]},
     install_requires=requirements,
-    extras_require={"dev": dev_requirements, "docs": docs_requirements},
+    extras_require={"dev": dev_requirements, "docs": docs_requirements, "plot": plot_requirements},
     python_requires=">=" + min_python,
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",

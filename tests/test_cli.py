@@ -141,3 +141,27 @@ def test_sanity_flag_reports_whether_the_pipeline_can_learn():
     assert "the pipeline can learn" in result.stdout
     frozen = tunelit("run", "lora_finetune_single_device", "--config", "tiny/lora", "--sanity", "optimizer.lr=0.0")
     assert frozen.returncode == 1 and "did NOT go near zero" in frozen.stdout
+
+
+def test_torchtune_forms_of_the_commands():
+    "As torchtune's `tune`: the config first for validate and cat, and `run RECIPE --help` for the keys it reads."
+    assert tunelit("validate", "tiny/lora", "batch_size=4").stdout.strip() == "Config is well-formed!"
+    cat = tunelit("cat", "tiny/lora", "batch_size=4")
+    assert cat.returncode == 0 and "\nbatch_size: 4\n" in cat.stdout
+    help_ = tunelit("run", "lora_finetune_single_device", "--help")
+    assert help_.returncode == 0, help_.stderr
+    lines = help_.stdout.splitlines()
+    assert lines[0] == "usage: tunelit run lora_finetune_single_device --config CONFIG [key=value ...]"
+    assert any(l.split()[:2] == ["lora_rank", "8"] or l.startswith("  model ") for l in lines)
+    assert [l for l in lines if l.startswith("  batch_size ")][0].endswith("samples per micro-batch (per process)")
+
+
+def test_lora_without_torchao_import():
+    "Building and loading a LoRA model, and validating a config, need no torchao (importing it costs about a second)."
+    code = ("import sys, torchtune_lit.config as c, torchtune_lit.training as t;"
+            "cfg = c.load_config('tiny/lora'); c.validate(cfg);"
+            "m = c.instantiate(cfg.model); s = c.instantiate(cfg.checkpointer).load_checkpoint()['model'];"
+            "t.load_model_state_dict(m, s, allowed_missing=[k for k in m.state_dict() if 'lora' in k]);"
+            "print(sorted(n for n in sys.modules if n.split('.')[0] == 'torchao'))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "[]", result.stderr[-2000:]

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from ..modules.low_precision.nf4 import NF4Tensor
+from ..modules.low_precision.nf4 import is_nf4
 from torchtune_lit.models.convert_weights import (
     hf_to_tune,
     tune_to_hf,
@@ -279,7 +279,7 @@ def write_hf_weights(
     `model.safetensors.index.json`.
     """
     tensors = {
-        k: (v.get_original_weight() if isinstance(v, NF4Tensor) else v)
+        k: (v.get_original_weight() if is_nf4(v) else v)
         .detach()
         .contiguous()
         .cpu()

@@ -62,14 +62,14 @@ def layer_activation_bytes_per_token(
 # %% ../../nbs/76_memory.ipynb #c63eba62
 def _parameter_bytes(model: nn.Module, bytes_per_element: int) -> tuple[float, int]:
     "(bytes of all weights, number of trainable parameters), NF4 bases at 4.127 bits."
-    from torchtune_lit.modules.low_precision.nf4 import FrozenNF4Linear, NF4Tensor
+    from torchtune_lit.modules.low_precision.nf4 import FrozenNF4Linear, is_nf4
 
     nf4 = {
         id(m.weight)
         for m in model.modules()
         if getattr(m, "_quantize_base", False) or isinstance(m, FrozenNF4Linear)
     }
-    nf4 |= {id(p) for p in model.parameters() if isinstance(p, NF4Tensor)}
+    nf4 |= {id(p) for p in model.parameters() if is_nf4(p)}
     weights, trainable, seen = 0.0, 0, set()
     for p in model.parameters():
         if id(p) in seen:

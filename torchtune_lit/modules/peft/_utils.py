@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
 
 import torch
 from torch import nn
-from ..low_precision.nf4 import FrozenNF4Linear, NF4Tensor
+from ..low_precision.nf4 import FrozenNF4Linear, is_nf4
 from .dora import DoRALinear
 from .lora import LoRALinear
 from ..transformer import TiedLinear, TransformerDecoder
@@ -105,7 +105,7 @@ def get_merged_lora_ckpt(
     ]
     for prefix in prefixes:
         weight = merged[f"{prefix}.weight"]
-        if isinstance(weight, NF4Tensor):
+        if is_nf4(weight):
             weight = weight.get_original_weight()
         lora_a, lora_b = (
             merged.pop(f"{prefix}.lora_a.weight"),

@@ -9,7 +9,7 @@ __all__ = ['DoRALinear']
 import torch
 import torch.nn.functional as F
 from torch import nn
-from ..low_precision.nf4 import NF4Tensor
+from ..low_precision.nf4 import is_nf4
 
 from .lora import LoRALinear
 
@@ -48,7 +48,7 @@ class DoRALinear(LoRALinear):
 
     def _dense_weight(self) -> torch.Tensor:
         w = self.weight
-        return w.get_original_weight() if isinstance(w, NF4Tensor) else w
+        return w.get_original_weight() if is_nf4(w) else w
 
     @torch.no_grad()
     def initialize_dora_magnitude(self) -> None:
