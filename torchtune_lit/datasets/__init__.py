@@ -4,9 +4,9 @@
 
 # %% auto #0
 __all__ = ['PreferenceDataset', 'SFTDataset', 'TextCompletionDataset', 'chat_dataset', 'instruct_dataset', 'preference_dataset',
-           'text_completion_dataset', 'PackedDataset', 'build_tiny_world', 'tiny_tokenizer']
+           'text_completion_dataset', 'PackedDataset', 'tiny_tokenizer']
 
-# %% ../../nbs/49_datasets_map.ipynb #1959e30d
+# %% ../../nbs/49_datasets_map.ipynb #b4af56cf
 from torchtune_lit.datasets._builders import (
     PreferenceDataset,
     SFTDataset,
@@ -17,7 +17,7 @@ from torchtune_lit.datasets._builders import (
     text_completion_dataset,
 )
 from ._packed import PackedDataset
-from ._tiny_world import build_tiny_world, tiny_tokenizer
+from ..tokenizers._chat import tiny_tokenizer
 
 _all_ = [
     "PreferenceDataset",
@@ -28,6 +28,5 @@ _all_ = [
     "preference_dataset",
     "text_completion_dataset",
     "PackedDataset",
-    "build_tiny_world",
     "tiny_tokenizer",
 ]

@@ -7,9 +7,9 @@ __all__ = ['TINY_ASSETS', 'FIRST', 'LAST', 'COUNTRIES', 'CITIES', 'WORDS', 'PROD
            'HEADERS', 'EVAL_HEADERS', 'TRAIN_HEADERS', 'VALIDATION_HEADERS', 'UNINFORMATIVE_HEADERS', 'LABELS',
            'CONFUSABLE', 'SYSTEM_PROMPT', 'TINY_SPECIAL_TOKENS', 'LLAMA3_CHAT_TEMPLATE', 'column_prompt',
            'make_column_examples', 'make_task_split', 'make_chat_examples', 'make_preference_examples',
-           'train_tiny_sentencepiece', 'bpe_merges', 'hf_tokenizer_files', 'build_tiny_world', 'tiny_tokenizer']
+           'train_tiny_sentencepiece', 'bpe_merges', 'hf_tokenizer_files', 'build_tiny_world']
 
-# %% ../../nbs/46_tiny_world.ipynb #c9808dd4
+# %% ../../nbs/46_tiny_world.ipynb #6838f4d5
 import io
 import json
 import random
@@ -20,7 +20,7 @@ import torchtune_lit
 
 TINY_ASSETS = Path(torchtune_lit.__file__).resolve().parent / "assets" / "tiny"
 
-# %% ../../nbs/46_tiny_world.ipynb #82bb2eb3
+# %% ../../nbs/46_tiny_world.ipynb #96e25eaf
 FIRST = "Ana Maria John Wei Fatima Lukas Sofia Kenji Amara Pedro Ingrid Omar Chloe Ravi"
 FIRST = FIRST.split()
 LAST = "Silva Ruiz Smith Chen Khan Weber Rossi Tanaka Okafor Santos Berg Haddad Martin"
@@ -47,7 +47,7 @@ PRODUCTS = [
 MATERIALS = ["Steel", "Bamboo", "Glass", "Leather", "Cotton", "Ceramic"]
 COLOURS = ["Blue", "Red", "Black", "Green", "Grey", "White"]
 
-# %% ../../nbs/46_tiny_world.ipynb #a7babafa
+# %% ../../nbs/46_tiny_world.ipynb #d98f86dd
 def _date(r: random.Random) -> str:
     y, m, d = r.randint(1940, 2005), r.randint(1, 12), r.randint(1, 28)
     return r.choice(
@@ -91,7 +91,7 @@ def _phone(r: random.Random) -> str:
         ]
     )
 
-# %% ../../nbs/46_tiny_world.ipynb #7de213d8
+# %% ../../nbs/46_tiny_world.ipynb #8000be62
 GENERATORS: dict[str, Callable[[random.Random], str]] = {
     "date_of_birth": _date,
     "currency_amount": _money,
@@ -122,7 +122,7 @@ GENERATORS: dict[str, Callable[[random.Random], str]] = {
     ),
 }
 
-# %% ../../nbs/46_tiny_world.ipynb #7f38ab0e
+# %% ../../nbs/46_tiny_world.ipynb #5d238f0b
 def _header_table(text: str) -> dict[str, list[list[str]]]:
     "Rows 'label | a, b | c' -> {label: [['a', 'b'], ['c']]} (headers split on commas)."
     table = {}
@@ -177,7 +177,7 @@ UNINFORMATIVE_HEADERS = (
     "attr attribute_2 x x1 c3 var_8 misc info raw entry text item_7"
 ).split() + ["unnamed: 0", "unnamed: 4", ""]
 
-# %% ../../nbs/46_tiny_world.ipynb #479d351e
+# %% ../../nbs/46_tiny_world.ipynb #3e731fdb
 LABELS = list(GENERATORS)
 CONFUSABLE = {
     "postal_code": "phone_number",
@@ -195,7 +195,7 @@ CONFUSABLE = {
 }
 SYSTEM_PROMPT = "You name the semantic type of a table column. Answer with one label."
 
-# %% ../../nbs/46_tiny_world.ipynb #26c9265a
+# %% ../../nbs/46_tiny_world.ipynb #9b89811c
 def column_prompt(header: str, values: list[str]) -> str:
     "The user turn of the column-type task."
     return (
@@ -221,7 +221,7 @@ def make_column_examples(split: str, per_label: int, seed: int) -> list[dict[str
     r.shuffle(rows)
     return rows
 
-# %% ../../nbs/46_tiny_world.ipynb #39446c32
+# %% ../../nbs/46_tiny_world.ipynb #33b79b01
 def _header_style(header: str, r: random.Random) -> str:
     style = r.random()
     if style < 0.15:
@@ -274,7 +274,7 @@ def make_task_split(
     r.shuffle(rows)
     return rows
 
-# %% ../../nbs/46_tiny_world.ipynb #b7806d01
+# %% ../../nbs/46_tiny_world.ipynb #aacfa616
 def make_chat_examples(n: int, seed: int) -> list[dict]:
     """Two-turn conversations (OpenAI format): classify a column, then say which values
     gave it away."""
@@ -313,7 +313,7 @@ def make_preference_examples(per_label: int, seed: int) -> list[dict]:
         out.append({"chosen": prompt + chosen, "rejected": prompt + rejected})
     return out
 
-# %% ../../nbs/46_tiny_world.ipynb #643fe39d
+# %% ../../nbs/46_tiny_world.ipynb #8a8d1cec
 TINY_SPECIAL_TOKENS = ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 
 
@@ -343,7 +343,7 @@ def train_tiny_sentencepiece(lines: list[str]) -> bytes:
     )
     return model.getvalue()
 
-# %% ../../nbs/46_tiny_world.ipynb #e6898718
+# %% ../../nbs/46_tiny_world.ipynb #25df0626
 LLAMA3_CHAT_TEMPLATE = (
     "{% set loop_messages = messages %}{% for message in loop_messages %}"
     "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>"
@@ -367,7 +367,7 @@ def bpe_merges(pieces: list[str], mergeable: list[bool]) -> list[tuple[str, str]
                 merges.append((rank, vocab[left], vocab[right], left, right))
     return [(left, right) for *_, left, right in sorted(merges)]
 
-# %% ../../nbs/46_tiny_world.ipynb #3ca3c9db
+# %% ../../nbs/46_tiny_world.ipynb #eabf9220
 def hf_tokenizer_files(sentencepiece_model: bytes) -> dict[str, str]:
     """tokenizer.json, tokenizer_config.json and generation_config.json (as text) for a
     SentencePiece BPE model with byte fallback and no dummy prefix."""
@@ -425,7 +425,7 @@ def hf_tokenizer_files(sentencepiece_model: bytes) -> dict[str, str]:
         "generation_config.json": json.dumps(generation, indent=2) + "\n",
     }
 
-# %% ../../nbs/46_tiny_world.ipynb #1fd3c61c
+# %% ../../nbs/46_tiny_world.ipynb #6abbd87d
 def _write_jsonl(rows: list, path: Path) -> None:
     text = "".join(
         json.dumps(row, ensure_ascii=False, sort_keys=True) + "\n" for row in rows
@@ -466,15 +466,3 @@ def build_tiny_world(out_dir: Union[str, Path], seed: int = 0) -> list[Path]:
         (out / "base" / name).write_text(text, encoding="utf-8")
     written = [*files, "tokenizer.model", "pretrain.jsonl", "base/config.json"]
     return sorted(out / name for name in written + [f"base/{n}" for n in hf_files])
-
-# %% ../../nbs/46_tiny_world.ipynb #76f590c9
-def tiny_tokenizer(path: Union[str, Path, None] = None, max_seq_len: int = 256):
-    """The shipped tiny tokenizer (default: the package's assets/tiny/tokenizer.model)
-    with the Llama 3 chat format."""
-    from torchtune_lit.tokenizers._base import SentencePieceBaseTokenizer
-    from torchtune_lit.tokenizers._chat import Llama3Format, ModelTokenizer
-
-    path = path or TINY_ASSETS / "tokenizer.model"
-    return ModelTokenizer(
-        SentencePieceBaseTokenizer(path), Llama3Format(), max_seq_len=max_seq_len
-    )

@@ -5,16 +5,16 @@
 # %% auto #0
 __all__ = ['Segment', 'LLAMA3_PATTERN', 'LLAMA3_SPECIAL_TOKENS', 'Special', 'Llama3Format', 'ChatMLFormat', 'GemmaFormat',
            'MistralFormat', 'ModelTokenizer', 'llama3_tokenizer', 'qwen2_5_tokenizer', 'gemma_tokenizer',
-           'mistral_tokenizer']
+           'mistral_tokenizer', 'tiny_tokenizer']
 
-# %% ../../nbs/42_chat_tokenizers.ipynb #baae5b0f
+# %% ../../nbs/42_chat_tokenizers.ipynb #19fc3fa6
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
 from ..data._messages import Message, validate_messages
 
-# %% ../../nbs/42_chat_tokenizers.ipynb #5ce5496a
+# %% ../../nbs/42_chat_tokenizers.ipynb #9b497920
 @dataclass(frozen=True)
 class Special:
     "A special (control) token, by its text; added by id, never through text encoding."
@@ -49,7 +49,7 @@ class Llama3Format:
             "\n\n",
         ]
 
-# %% ../../nbs/42_chat_tokenizers.ipynb #ca9a0b68
+# %% ../../nbs/42_chat_tokenizers.ipynb #8bc00499
 class ChatMLFormat:
     """ChatML as Qwen 2.5 uses it, with Qwen's default system prompt when the
     conversation has none.
@@ -67,7 +67,7 @@ class ChatMLFormat:
     def generation_prompt(self) -> list[Segment]:
         return [Special("<|im_start|>"), "assistant\n"]
 
-# %% ../../nbs/42_chat_tokenizers.ipynb #9d5146f6
+# %% ../../nbs/42_chat_tokenizers.ipynb #889be094
 class GemmaFormat:
     "Gemma / Gemma 2 instruct format (roles user and model; no system turn)."
 
@@ -88,7 +88,7 @@ class GemmaFormat:
     def generation_prompt(self) -> list[Segment]:
         return [Special("<start_of_turn>"), "model\n"]
 
-# %% ../../nbs/42_chat_tokenizers.ipynb #386274eb
+# %% ../../nbs/42_chat_tokenizers.ipynb #fdb39c93
 class MistralFormat:
     """Mistral instruct format as in Mistral-7B-Instruct-v0.3, whose [INST]/[/INST] are
     control tokens (no system turn).
@@ -114,7 +114,7 @@ class MistralFormat:
     def generation_prompt(self) -> list[Segment]:
         return []
 
-# %% ../../nbs/42_chat_tokenizers.ipynb #e406f29b
+# %% ../../nbs/42_chat_tokenizers.ipynb #9f5ee18f
 def _special_token_ids(base_tokenizer: Any, chat_format: Any) -> dict[str, int]:
     """{token: id} for every special token `chat_format` writes (BOS/EOS, end of turn,
     message and generation-prompt markers); an error naming any the tokenizer lacks.
@@ -148,7 +148,7 @@ def _with_default_system(messages: list[Message], chat_format: Any) -> list[Mess
         return [system] + list(messages)
     return messages
 
-# %% ../../nbs/42_chat_tokenizers.ipynb #f5c548ad
+# %% ../../nbs/42_chat_tokenizers.ipynb #45a72d7b
 def _encode_segments(
     base_tokenizer: Any, special_tokens: dict[str, int], segments: list[Segment]
 ) -> list[int]:
@@ -184,7 +184,7 @@ def _check_max_seq_len(max_seq_len: Any) -> None:
             f"{max_seq_len!r}."
         )
 
-# %% ../../nbs/42_chat_tokenizers.ipynb #1cc4a9ef
+# %% ../../nbs/42_chat_tokenizers.ipynb #724016c2
 class ModelTokenizer:
     """A base tokenizer plus a chat format: `tokenize_messages(messages) -> (tokens,
     mask)`, mask True where not trained.
@@ -248,7 +248,7 @@ class ModelTokenizer:
         tokens, mask = self.tokenize_messages(sample["messages"])
         return {**sample, "tokens": tokens, "mask": mask}
 
-# %% ../../nbs/42_chat_tokenizers.ipynb #d5a964ec
+# %% ../../nbs/42_chat_tokenizers.ipynb #7670414d
 def _base_tokenizer(path: Union[str, Path], tiktoken_kwargs: Optional[dict] = None):
     from torchtune_lit.tokenizers._base import (
         HuggingFaceBaseTokenizer,
@@ -263,7 +263,7 @@ def _base_tokenizer(path: Union[str, Path], tiktoken_kwargs: Optional[dict] = No
         return TikTokenBaseTokenizer(path, **tiktoken_kwargs)
     return SentencePieceBaseTokenizer(path)
 
-# %% ../../nbs/42_chat_tokenizers.ipynb #fb180b69
+# %% ../../nbs/42_chat_tokenizers.ipynb #bda8632f
 LLAMA3_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -308,7 +308,7 @@ def llama3_tokenizer(
         _base_tokenizer(path, tiktoken_kwargs), Llama3Format(), max_seq_len
     )
 
-# %% ../../nbs/42_chat_tokenizers.ipynb #f56957f9
+# %% ../../nbs/42_chat_tokenizers.ipynb #656bfe9c
 def qwen2_5_tokenizer(
     path: Union[str, Path], max_seq_len: Optional[int] = None
 ) -> ModelTokenizer:
@@ -330,3 +330,16 @@ def mistral_tokenizer(
     `tokenizer.model`.
     """
     return ModelTokenizer(_base_tokenizer(path), MistralFormat(), max_seq_len)
+
+
+def tiny_tokenizer(
+    path: Union[str, Path, None] = None, max_seq_len: Optional[int] = 256
+) -> ModelTokenizer:
+    """The shipped tiny model's tokenizer: its SentencePiece model (default: the
+    package's assets/tiny/tokenizer.model) in the Llama 3 chat format."""
+    import torchtune_lit
+
+    assets = Path(torchtune_lit.__file__).resolve().parent / "assets" / "tiny"
+    return ModelTokenizer(
+        _base_tokenizer(path or assets / "tokenizer.model"), Llama3Format(), max_seq_len
+    )
