@@ -1,4 +1,5 @@
 """`tunelit preflight` as a user runs it: a correct config is clean (exit 0); a broken one names each problem (exit 1)."""
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -35,3 +36,33 @@ def test_recipe_prints_and_saves_the_report(tmp_path):
                              "max_steps_per_epoch=1", "epochs=1", "progress_bar=false"], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "Preflight report" in result.stdout and (tmp_path / "preflight.json").is_file()
+
+
+def test_first_loss_warning_fires_for_a_real_config_shaped_run(tmp_path):
+    """Real configs say `checkpoint_files: null` (every weight file of the folder): the first-loss check must treat
+    that as pretrained weights. An output layer scrambled as a wrong key map would (rows permuted, scaled) gives a
+    first loss far above ln(vocab), and the run says so on its first step."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    import torchtune_lit
+
+    base = tmp_path / "base"
+    shutil.copytree(Path(torchtune_lit.__file__).parent / "assets" / "tiny" / "base", base)
+    weights = load_file(base / "model.safetensors")
+    head = weights["lm_head.weight"]
+    order = torch.randperm(head.shape[0], generator=torch.Generator().manual_seed(0))
+    weights["lm_head.weight"] = (head[order].float() * 6).to(head.dtype).contiguous()
+    save_file(weights, base / "model.safetensors", metadata={"format": "pt"})
+    tunelit = str(Path(sys.executable).parent / "tunelit")
+    result = subprocess.run(
+        [tunelit, "run", "lora_finetune_single_device", "--config", "tiny/lora", f"output_dir={tmp_path / 'run'}",
+         f"checkpointer.checkpoint_dir={base}", "checkpointer.checkpoint_files=null", "epochs=1",
+         "max_steps_per_epoch=1", "progress_bar=false", "preflight=false", "run_val_every_n_steps=null"],
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "WARNING: first loss" in result.stdout and "is far above ln(vocab) = 7.62" in result.stdout
