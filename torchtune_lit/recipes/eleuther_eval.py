@@ -18,7 +18,6 @@ from omegaconf import DictConfig, OmegaConf
 
 import torchtune_lit.config as config
 import torchtune_lit.generation as generation
-import torchtune_lit.recipes.eval_accuracy as eval_accuracy
 import torchtune_lit.training as training
 
 try:
@@ -196,7 +195,7 @@ def _build_lm(cfg: DictConfig) -> tuple[TorchtuneLitLM, Any]:
     dtype = training.get_dtype(cfg.get("dtype", "fp32"), device)
     training.set_seed(cfg.seed)
     checkpointer = config.instantiate(cfg.checkpointer)
-    model = eval_accuracy.load_model_for_eval(checkpointer, device, dtype)
+    model = training.load_model_for_eval(checkpointer, device, dtype)
     tokenizer = config.instantiate(cfg.tokenizer)
     lm = TorchtuneLitLM(
         model,

@@ -22,7 +22,6 @@ from tqdm.auto import tqdm
 
 import torchtune_lit.config as config
 import torchtune_lit.data as data
-import torchtune_lit.recipes.full_finetune_single_device as single_device
 import torchtune_lit.training as training
 import torchtune_lit.training._distributed as distributed
 

@@ -17,7 +17,6 @@ from omegaconf import DictConfig
 import torchtune_lit.config as config
 import torchtune_lit.data as data
 import torchtune_lit.generation as generation
-import torchtune_lit.recipes.eval_accuracy as eval_accuracy
 import torchtune_lit.training as training
 
 # %% ../../nbs/91_generate.ipynb #d1eee6fb
@@ -54,7 +53,7 @@ def run_generation(cfg: DictConfig) -> dict:
     dtype = training.get_dtype(cfg.dtype, device)
     training.set_seed(cfg.seed)
     checkpointer = config.instantiate(cfg.checkpointer)
-    model = eval_accuracy.load_model_for_eval(checkpointer, device, dtype)
+    model = training.load_model_for_eval(checkpointer, device, dtype)
     tokenizer = config.instantiate(cfg.tokenizer)
     tokens = prompt_tokens(cfg, tokenizer)
     rng = torch.Generator(device=device).manual_seed(cfg.seed)

@@ -21,7 +21,6 @@ from torch.utils.data import DataLoader
 import torchtune_lit.config as config
 import torchtune_lit.data as data
 import torchtune_lit.models as models
-import torchtune_lit.recipes.eval_accuracy as eval_accuracy
 import torchtune_lit.training as training
 
 # %% ../../nbs/86_quantize.ipynb #e664bc8d
@@ -86,7 +85,7 @@ def quantize(cfg: DictConfig) -> dict:
     device = training.get_device(cfg.device)
     training.set_seed(cfg.seed)
     checkpointer = config.instantiate(cfg.checkpointer)
-    model = eval_accuracy.load_model_for_eval(checkpointer, device, torch.float32)
+    model = training.load_model_for_eval(checkpointer, device, torch.float32)
     tokenizer = config.instantiate(cfg.tokenizer)
     loader = DataLoader(
         config.instantiate(cfg.eval_dataset, tokenizer),

@@ -4,9 +4,9 @@
 
 # %% auto #0
 __all__ = ['MODEL_TYPES', 'SUPPORT_FILES', 'CheckpointError', 'FullModelHFCheckpointer', 'load_model_state_dict',
-           'check_state_dict', 'write_hf_weights']
+           'check_state_dict', 'write_hf_weights', 'load_model_for_eval']
 
-# %% ../../nbs/70_checkpointing.ipynb #10838276
+# %% ../../nbs/70_checkpointing.ipynb #f3c989f5
 import errno
 import json
 import os
@@ -26,7 +26,7 @@ from torchtune_lit.models.convert_weights import (
     tune_to_peft_adapter_weights,
 )
 
-# %% ../../nbs/70_checkpointing.ipynb #bfada33a
+# %% ../../nbs/70_checkpointing.ipynb #22cb8c0f
 class CheckpointError(ValueError):
     """A checkpoint that cannot be read or does not fit the model; the message names
     files, keys and shapes.
@@ -66,7 +66,7 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
             f"corrupt ({path.stat().st_size:,} bytes): download it again."
         ) from e
 
-# %% ../../nbs/70_checkpointing.ipynb #c69116ff
+# %% ../../nbs/70_checkpointing.ipynb #a7bd3dbb
 class FullModelHFCheckpointer:
     """Reads and writes full models in Hugging Face format.
 
@@ -124,7 +124,7 @@ class FullModelHFCheckpointer:
             )
         return in_config
 
-# %% ../../nbs/70_checkpointing.ipynb #2e12bd67
+# %% ../../nbs/70_checkpointing.ipynb #931cb2d4
 def _resolve_files(
     self: "FullModelHFCheckpointer", checkpoint_files: Optional[Iterable[str]]
 ) -> list[Path]:
@@ -153,7 +153,7 @@ def _resolve_files(
 
 FullModelHFCheckpointer._resolve_files = _resolve_files
 
-# %% ../../nbs/70_checkpointing.ipynb #a1cddce5
+# %% ../../nbs/70_checkpointing.ipynb #341652ad
 def _load_checkpoint(
     self: "FullModelHFCheckpointer",
 ) -> dict[str, dict[str, torch.Tensor]]:
@@ -207,7 +207,7 @@ def _check_config_fits(
             "different models. Fix config.json, or download the folder again."
         )
 
-# %% ../../nbs/70_checkpointing.ipynb #0c7f5c48
+# %% ../../nbs/70_checkpointing.ipynb #cb26aa6e
 def load_model_state_dict(
     model: nn.Module,
     state_dict: dict[str, torch.Tensor],
@@ -255,7 +255,7 @@ def check_state_dict(
             "the matching model)."
         )
 
-# %% ../../nbs/70_checkpointing.ipynb #a4a15c68
+# %% ../../nbs/70_checkpointing.ipynb #b154c4de
 def _shard(
     state_dict: dict[str, torch.Tensor], max_shard_bytes: int
 ) -> list[dict[str, torch.Tensor]]:
@@ -279,10 +279,7 @@ def write_hf_weights(
     `model.safetensors.index.json`.
     """
     tensors = {
-        k: (v.get_original_weight() if is_nf4(v) else v)
-        .detach()
-        .contiguous()
-        .cpu()
+        k: (v.get_original_weight() if is_nf4(v) else v).detach().contiguous().cpu()
         for k, v in state_dict.items()
     }
     shards = _shard(tensors, max_shard_bytes)
@@ -303,7 +300,7 @@ def write_hf_weights(
         )
     )
 
-# %% ../../nbs/70_checkpointing.ipynb #2c3b2f48
+# %% ../../nbs/70_checkpointing.ipynb #99f87552
 def _write_peft_adapter(
     self: "FullModelHFCheckpointer",
     state_dict: dict[str, Any],
@@ -338,7 +335,7 @@ def _write_peft_adapter(
 
 FullModelHFCheckpointer._write_peft_adapter = _write_peft_adapter
 
-# %% ../../nbs/70_checkpointing.ipynb #3fd80d02
+# %% ../../nbs/70_checkpointing.ipynb #bef0feab
 SUPPORT_FILES = (
     "config.json",
     "generation_config.json",
@@ -397,7 +394,7 @@ def _write_checkpoint_files(
 
 FullModelHFCheckpointer._write_checkpoint_files = _write_checkpoint_files
 
-# %% ../../nbs/70_checkpointing.ipynb #4dbf6ad4
+# %% ../../nbs/70_checkpointing.ipynb #d76699b9
 def _replace_folder(tmp: Path, final: Path) -> None:
     """Move the finished `tmp` folder to `final`; an older `final` is set aside first
     and removed last.
@@ -421,7 +418,7 @@ def _recover_interrupted_save(final: Path) -> None:
     if old.exists() and not final.exists():
         os.replace(old, final)
 
-# %% ../../nbs/70_checkpointing.ipynb #07764bb2
+# %% ../../nbs/70_checkpointing.ipynb #cf9ce8bc
 def _save_checkpoint(
     self: "FullModelHFCheckpointer",
     state_dict: dict[str, Any],
@@ -473,3 +470,15 @@ def _disk_full(error: Exception, folder: Path) -> bool:
 
 
 FullModelHFCheckpointer.save_checkpoint = _save_checkpoint
+
+# %% ../../nbs/70_checkpointing.ipynb #edc3b11c
+def load_model_for_eval(
+    checkpointer: FullModelHFCheckpointer, device: torch.device, dtype: torch.dtype
+) -> nn.Module:
+    """The model that the checkpoint folder's config.json describes, with its weights,
+    in eval mode."""
+    from torchtune_lit.models import build_from_hf_config
+
+    model = build_from_hf_config(checkpointer.checkpoint_dir)
+    load_model_state_dict(model, checkpointer.load_checkpoint()["model"])
+    return model.to(device=device, dtype=dtype).eval()
