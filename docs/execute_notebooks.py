@@ -19,6 +19,15 @@ ROOT = Path(__file__).resolve().parent.parent
 os.environ.update(TQDM_DISABLE="1", HF_HUB_DISABLE_PROGRESS_BARS="1", HF_DATASETS_DISABLE_PROGRESS_BARS="1")
 
 
+def _import_torchao_quietly() -> None:
+    """torchao logs two harmless messages when first imported (optional compiled kernels of other formats, a pytree
+    deprecation). torchtune_lit imports it quietly on first NF4 use, but `import transformers` in a chapter's checks
+    imports it loudly; importing it quietly first keeps that noise out of the saved outputs."""
+    from torchtune_lit.modules.low_precision.nf4 import _torchao_nf4
+
+    _torchao_nf4()
+
+
 def _skip(cell) -> bool:
     "execnb preprocessor: True for cells not to run (markdown, and code marked `#| eval: false`), as nbdev_test."
     if cell.cell_type != "code":
@@ -42,5 +51,6 @@ def execute(path: Path) -> float:
 
 if __name__ == "__main__":
     paths = [Path(p) for p in sys.argv[1:]] or sorted((ROOT / "nbs").glob("*.ipynb"))
+    _import_torchao_quietly()
     for path in paths:
         print(f"{path.name:<45}{execute(path.resolve()):6.1f} s", flush=True)
