@@ -175,10 +175,10 @@ def setup(cfg: DictConfig) -> KDRun:
     teacher = load_teacher(cfg, device, dtype)
     check_same_vocabulary(student, teacher)
     tokenizer = config.instantiate(cfg.tokenizer)
-    loader = full_finetune.build_dataloader(cfg, tokenizer, generator)
+    loader = training.build_dataloader(cfg, tokenizer, generator)
     held_out = held_out_batches(cfg, tokenizer, device)
     # optional: the student's held-out CE
-    val_loader = full_finetune.build_validation_loader(cfg, tokenizer)
+    val_loader = training.build_validation_loader(cfg, tokenizer)
     optimizer = config.instantiate(
         cfg.optimizer, [p for p in student.parameters() if p.requires_grad]
     )

@@ -209,7 +209,7 @@ def setup(cfg: DictConfig) -> DPORun:
         accumulation=accumulation,
         steps_per_epoch=steps_per_epoch,
         total_steps=total_steps,
-        lora=lora_recipe.adapter_config(cfg),
+        lora=peft.get_adapter_config(model),
     )
 
 # %% ../../nbs/84_lora_dpo_single_device.ipynb #f6a1bb46

@@ -68,7 +68,7 @@ def save_lora_outputs(run: full_distributed.ShardedRun) -> None:
     """
     state = distributed.gather_full_state_dict(run.model)
     if run.rank == 0:
-        lora = lora_single.adapter_config(run.cfg)
+        lora = peft.get_adapter_config(run.model)
         folder = run.checkpointer.save_checkpoint(
             {
                 "model": peft.get_merged_lora_ckpt(

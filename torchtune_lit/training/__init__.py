@@ -7,10 +7,11 @@ __all__ = ['memory', 'OffloadActivations', 'compile_loss', 'compile_model', 'est
            'set_activation_checkpointing', 'metric_logging', 'get_memory_stats', 'preflight', 'gather_full_state_dict',
            'init_distributed', 'shard_model', 'CheckpointError', 'FullModelHFCheckpointer', 'load_model_for_eval',
            'load_model_state_dict', 'DTYPES', 'JsonlLogger', 'capture_rng_state', 'check_loss_is_finite',
-           'check_run_values', 'get_device', 'get_dtype', 'latest_step_checkpoint', 'load_recipe_state',
-           'lr_schedulers', 'make_recipe_state', 'prune_step_checkpoints', 'read_jsonl', 'restore_rng_state',
-           'restore_training_state', 'resume_position', 'setup_run', 'scale_grads', 'set_seed', 'shift_labels',
-           'summed_cross_entropy', 'train_step', 'training_schedule', 'truncate_log', 'validation_loss', 'runs']
+           'build_dataloader', 'build_validation_loader', 'check_run_values', 'get_device', 'get_dtype',
+           'latest_step_checkpoint', 'load_recipe_state', 'lr_schedulers', 'make_recipe_state',
+           'prune_step_checkpoints', 'read_jsonl', 'restore_rng_state', 'restore_training_state', 'resume_position',
+           'setup_run', 'scale_grads', 'set_seed', 'shift_labels', 'summed_cross_entropy', 'train_step',
+           'training_schedule', 'truncate_log', 'validation_loss', 'runs']
 
 # %% ../../nbs/79_training_map.ipynb #6f16c70e
 from torchtune_lit.training import (
@@ -38,6 +39,8 @@ from torchtune_lit.training._utils import (
     JsonlLogger,
     capture_rng_state,
     check_loss_is_finite,
+    build_dataloader,
+    build_validation_loader,
     check_run_values,
     get_device,
     get_dtype,
@@ -88,6 +91,8 @@ _all_ = [
     "JsonlLogger",
     "capture_rng_state",
     "check_loss_is_finite",
+    "build_dataloader",
+    "build_validation_loader",
     "check_run_values",
     "get_device",
     "get_dtype",

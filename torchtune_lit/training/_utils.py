@@ -4,12 +4,12 @@
 
 # %% auto #0
 __all__ = ['DTYPES', 'RUN_COUNTS', 'get_device', 'get_dtype', 'set_seed', 'scale_grads', 'check_loss_is_finite',
-           'check_run_values', 'setup_run', 'JsonlLogger', 'read_jsonl', 'training_schedule', 'capture_rng_state',
-           'restore_rng_state', 'latest_step_checkpoint', 'load_recipe_state', 'prune_step_checkpoints',
-           'make_recipe_state', 'restore_training_state', 'resume_position', 'truncate_log', 'shift_labels',
-           'summed_cross_entropy', 'train_step', 'validation_loss']
+           'check_run_values', 'setup_run', 'build_dataloader', 'build_validation_loader', 'JsonlLogger', 'read_jsonl',
+           'training_schedule', 'capture_rng_state', 'restore_rng_state', 'latest_step_checkpoint', 'load_recipe_state',
+           'prune_step_checkpoints', 'make_recipe_state', 'restore_training_state', 'resume_position', 'truncate_log',
+           'shift_labels', 'summed_cross_entropy', 'train_step', 'validation_loss']
 
-# %% ../../nbs/71_training_utils.ipynb #a1a61942
+# %% ../../nbs/71_training_utils.ipynb #36d80878
 import json
 import math
 import random
@@ -20,7 +20,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-# %% ../../nbs/71_training_utils.ipynb #28c03b8a
+# %% ../../nbs/71_training_utils.ipynb #d9cba885
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -62,7 +62,7 @@ def get_dtype(name: str = "fp32", device: Optional[torch.device] = None) -> torc
         return torch.float32
     return DTYPES[name]
 
-# %% ../../nbs/71_training_utils.ipynb #50c4cae8
+# %% ../../nbs/71_training_utils.ipynb #63105b8d
 def set_seed(seed: int) -> torch.Generator:
     """Seed Python and torch; return a torch Generator seeded the same way (for the data
     sampler).
@@ -88,7 +88,7 @@ def check_loss_is_finite(loss: float, step: int) -> None:
             "for empty or corrupt samples."
         )
 
-# %% ../../nbs/71_training_utils.ipynb #ff021d23
+# %% ../../nbs/71_training_utils.ipynb #4bf28a2a
 RUN_COUNTS = (  # whole numbers >= 1, or null where the recipe has a default
     "max_steps_per_epoch",
     "gradient_accumulation_steps",
@@ -140,7 +140,7 @@ def check_run_values(cfg: Any) -> None:
             f"optimizer.lr must be >= 0, got {lr!r}: it would train uphill."
         )
 
-# %% ../../nbs/71_training_utils.ipynb #767594aa
+# %% ../../nbs/71_training_utils.ipynb #30bf595f
 def setup_run(cfg: Any) -> tuple[torch.device, torch.dtype, torch.Generator, Path]:
     """(device, dtype, data generator, output_dir) for a recipe config. Claims
     output_dir for this run (another run's folder is refused unless resumed or
@@ -164,7 +164,60 @@ def setup_run(cfg: Any) -> tuple[torch.device, torch.dtype, torch.Generator, Pat
     OmegaConf.save(cfg, saved)
     return device, dtype, generator, output_dir
 
-# %% ../../nbs/71_training_utils.ipynb #c0966cd5
+# %% ../../nbs/71_training_utils.ipynb #423061f1
+def build_dataloader(
+    cfg: Any, tokenizer: Any, generator: torch.Generator
+) -> "DataLoader":
+    """The training DataLoader: the config's dataset, seeded shuffling, the padded or
+    packed collate function.
+    """
+    import torchtune_lit.config as config
+    import torchtune_lit.data as data
+    from torch.utils.data import DataLoader
+
+    dataset = config.instantiate(cfg.dataset, tokenizer)
+    # `tunelit run ... --sanity`: overfit a handful of samples
+    if cfg.get("sanity_check"):
+        dataset = torch.utils.data.Subset(
+            dataset, range(min(cfg.sanity_check, len(dataset)))
+        )
+    packed = cfg.dataset.get("packed", False)
+    loader = DataLoader(
+        dataset,
+        batch_size=cfg.batch_size,
+        shuffle=cfg.get("shuffle", True),
+        generator=generator,
+        drop_last=True,
+        collate_fn=data.padded_collate_packed if packed else data.padded_collate_sft,
+    )
+    if len(loader) == 0:
+        raise ValueError(
+            f"{len(dataset)} samples make no full batch of "
+            f"batch_size={cfg.batch_size}; lower batch_size."
+        )
+    return loader
+
+
+def build_validation_loader(cfg: Any, tokenizer: Any) -> Optional["DataLoader"]:
+    """The held-out loader of `validation_dataset` (unshuffled, nothing dropped), or
+    None when the config has none.
+    """
+    import torchtune_lit.config as config
+    import torchtune_lit.data as data
+    from torch.utils.data import DataLoader
+
+    if not cfg.get("validation_dataset"):
+        return None
+    dataset = config.instantiate(cfg.validation_dataset, tokenizer)
+    packed = cfg.validation_dataset.get("packed", False)
+    return DataLoader(
+        dataset,
+        batch_size=cfg.batch_size,
+        shuffle=False,
+        collate_fn=data.padded_collate_packed if packed else data.padded_collate_sft,
+    )
+
+# %% ../../nbs/71_training_utils.ipynb #b58f752d
 class JsonlLogger:
     "Append one JSON object per `log` call to `log_dir/filename`, flushed immediately."
 
@@ -187,7 +240,7 @@ def read_jsonl(path: Union[str, Path]) -> list[dict]:
         json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()
     ]
 
-# %% ../../nbs/71_training_utils.ipynb #457d3c4d
+# %% ../../nbs/71_training_utils.ipynb #1fbd2a19
 def training_schedule(
     cfg: Any, num_batches: int, optimizer: torch.optim.Optimizer
 ) -> tuple[int, int, int, Any]:
@@ -221,7 +274,7 @@ def training_schedule(
     )
     return accumulation, steps_per_epoch, total_steps, lr_scheduler
 
-# %% ../../nbs/71_training_utils.ipynb #ebe033c4
+# %% ../../nbs/71_training_utils.ipynb #19f8bb71
 def capture_rng_state(epoch_generator_state: torch.Tensor) -> dict[str, Any]:
     """Python's and torch's random states now, and the data generator's state at the
     start of the current epoch.
@@ -244,7 +297,7 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
-# %% ../../nbs/71_training_utils.ipynb #300c0c69
+# %% ../../nbs/71_training_utils.ipynb #1cfe7ecb
 def latest_step_checkpoint(output_dir: Union[str, Path]) -> Optional[Path]:
     """The newest complete `step_N` folder (one with recipe_state.pt) under
     `output_dir`, or None.
@@ -275,7 +328,7 @@ def prune_step_checkpoints(output_dir: Union[str, Path], keep: int) -> None:
     for old in folders[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
 
-# %% ../../nbs/71_training_utils.ipynb #1b665de7
+# %% ../../nbs/71_training_utils.ipynb #01a4db1b
 def make_recipe_state(
     optimizer: torch.optim.Optimizer,
     lr_scheduler: Any,
@@ -305,7 +358,7 @@ def restore_training_state(
     if lr_scheduler is not None and state.get("lr_scheduler") is not None:
         lr_scheduler.load_state_dict(state["lr_scheduler"])
 
-# %% ../../nbs/71_training_utils.ipynb #d50aa734
+# %% ../../nbs/71_training_utils.ipynb #7321f1f0
 def resume_position(
     state: Optional[dict[str, Any]],
     optimizer: torch.optim.Optimizer,
@@ -339,7 +392,7 @@ def truncate_log(path: Union[str, Path], last_step: int) -> None:
         ]
         path.write_text("".join(line + "\n" for line in kept))
 
-# %% ../../nbs/71_training_utils.ipynb #b6590709
+# %% ../../nbs/71_training_utils.ipynb #12a85846
 def shift_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
     "Labels for next-token prediction: labels[:, 1:] followed by one ignored position."
     return torch.cat(
@@ -367,7 +420,7 @@ def summed_cross_entropy(
         reduction="sum",
     )
 
-# %% ../../nbs/71_training_utils.ipynb #3f3cfa99
+# %% ../../nbs/71_training_utils.ipynb #6977558f
 def train_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -419,7 +472,7 @@ def train_step(
         metrics["grad_norm"] = grad_norm
     return metrics
 
-# %% ../../nbs/71_training_utils.ipynb #02a41c0a
+# %% ../../nbs/71_training_utils.ipynb #e6dc3c34
 @torch.no_grad()
 def validation_loss(
     model: nn.Module,

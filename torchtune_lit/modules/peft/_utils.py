@@ -4,10 +4,10 @@
 
 # %% auto #0
 __all__ = ['ATTN_MODULES', 'MLP_MODULES', 'AdapterModule', 'get_adapter_params', 'set_trainable_params', 'get_adapter_state_dict',
-           'get_lora_module_names', 'disable_adapter', 'get_merged_lora_ckpt',
+           'get_lora_module_names', 'disable_adapter', 'get_adapter_config', 'get_merged_lora_ckpt',
            'validate_missing_and_unexpected_for_lora', 'apply_lora', 'lora_builder']
 
-# %% ../../../nbs/54_peft_utils.ipynb #a0ef8e4a
+# %% ../../../nbs/54_peft_utils.ipynb #4bef2dc5
 import contextlib
 import inspect
 from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
@@ -19,7 +19,7 @@ from .dora import DoRALinear
 from .lora import LoRALinear
 from ..transformer import TiedLinear, TransformerDecoder
 
-# %% ../../../nbs/54_peft_utils.ipynb #94933145
+# %% ../../../nbs/54_peft_utils.ipynb #e2f140cb
 class AdapterModule(Protocol):
     """A module with adapter parameters: `adapter_params()` returns their names relative
     to the module.
@@ -55,7 +55,7 @@ def get_adapter_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
         if ".lora_a." in k or ".lora_b." in k or k.endswith(".magnitude")
     }
 
-# %% ../../../nbs/54_peft_utils.ipynb #2e6b8df5
+# %% ../../../nbs/54_peft_utils.ipynb #45cadeda
 def get_lora_module_names(
     lora_attn_modules: Sequence[str],
     apply_lora_to_mlp: bool,
@@ -91,7 +91,40 @@ def disable_adapter(model: nn.Module) -> Iterator[None]:
         for m, was in zip(layers, previous):
             m.disabled = was
 
-# %% ../../../nbs/54_peft_utils.ipynb #dce025d3
+# %% ../../../nbs/54_peft_utils.ipynb #090d5eb7
+def get_adapter_config(model: nn.Module) -> dict[str, Any]:
+    """PEFT's adapter settings (r, lora_alpha, use_dora, lora_dropout, target_modules)
+    read from the model's LoRA layers."""
+    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]
+    if not layers:
+        raise ValueError(
+            "the model has no LoRA layers, so there is no adapter to describe."
+        )
+    settings = {
+        (
+            m.rank,
+            m.alpha,
+            isinstance(m, DoRALinear),
+            m.dropout.p if isinstance(m.dropout, nn.Dropout) else 0.0,
+        )
+        for _, m in layers
+    }
+    if len(settings) > 1:
+        raise ValueError(
+            "the LoRA layers differ in (rank, alpha, DoRA, dropout): "
+            f"{sorted(settings)}; one adapter_config.json cannot describe them."
+        )
+    rank, alpha, dora, dropout = settings.pop()
+    kinds = list(dict.fromkeys(name.rsplit(".", 1)[-1] for name, _ in layers))
+    return {
+        "r": rank,
+        "lora_alpha": alpha,
+        "use_dora": dora,
+        "lora_dropout": dropout,
+        "target_modules": kinds,
+    }
+
+# %% ../../../nbs/54_peft_utils.ipynb #c6e46f45
 @torch.no_grad()
 def get_merged_lora_ckpt(
     state_dict: dict[str, torch.Tensor], rank: int, alpha: float
@@ -122,7 +155,7 @@ def get_merged_lora_ckpt(
         merged[f"{prefix}.weight"] = adapted
     return merged
 
-# %% ../../../nbs/54_peft_utils.ipynb #b03cb770
+# %% ../../../nbs/54_peft_utils.ipynb #d7593c30
 def validate_missing_and_unexpected_for_lora(
     lora_attn_modules: Sequence[str],
     apply_lora_to_mlp: bool,
@@ -172,7 +205,7 @@ def validate_missing_and_unexpected_for_lora(
             "apply_lora_to_output) against the checkpoint."
         )
 
-# %% ../../../nbs/54_peft_utils.ipynb #b933f9dd
+# %% ../../../nbs/54_peft_utils.ipynb #dbd49d91
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "output_proj")
 MLP_MODULES = ("w1", "w2", "w3")
 
@@ -222,7 +255,7 @@ def _frozen_nf4(linear: nn.Linear) -> FrozenNF4Linear:
         layer.weight.copy_(linear.weight)
     return layer
 
-# %% ../../../nbs/54_peft_utils.ipynb #8d24d05a
+# %% ../../../nbs/54_peft_utils.ipynb #824e4211
 def apply_lora(
     model: TransformerDecoder,
     lora_attn_modules: Sequence[str],
@@ -273,7 +306,7 @@ def apply_lora(
         model.output = make(model.output)
     return model
 
-# %% ../../../nbs/54_peft_utils.ipynb #86930bfc
+# %% ../../../nbs/54_peft_utils.ipynb #d0aba4c8
 def lora_builder(
     base_builder: Callable[..., TransformerDecoder], name: str, **defaults: Any
 ) -> Callable[..., TransformerDecoder]:
