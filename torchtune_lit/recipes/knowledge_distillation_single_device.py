@@ -20,7 +20,6 @@ from tqdm.auto import tqdm
 
 import torchtune_lit.config as config
 import torchtune_lit.modules.loss as losses
-import torchtune_lit.recipes.full_finetune_single_device as full_finetune
 import torchtune_lit.training as training
 
 # %% ../../nbs/85_knowledge_distillation_single_device.ipynb #a2efd279
@@ -171,7 +170,7 @@ def setup(cfg: DictConfig) -> KDRun:
     "Everything before the first step of the distillation recipe described by `cfg`."
     device, dtype, generator, output_dir = training.setup_run(cfg)
     checkpointer = config.instantiate(cfg.checkpointer)
-    student = full_finetune.load_model(cfg, checkpointer, device, dtype)
+    student = training.load_model(cfg, checkpointer, device, dtype)
     teacher = load_teacher(cfg, device, dtype)
     check_same_vocabulary(student, teacher)
     tokenizer = config.instantiate(cfg.tokenizer)
@@ -270,7 +269,7 @@ def train_loop(run: KDRun) -> tuple[list[dict], float]:
     """
     cfg, student, optimizer = run.cfg, run.student, run.optimizer
     # the student's weights + recipe state
-    resumed = full_finetune.resume_state(cfg, student)
+    resumed = training.resume_state(cfg, student)
     log_path = run.output_dir / "log.jsonl"
     start_epoch, skip, step, pending_rng = training.resume_position(
         resumed, optimizer, run.lr_scheduler, run.generator, log_path

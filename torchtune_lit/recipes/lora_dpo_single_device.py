@@ -21,7 +21,6 @@ from tqdm.auto import tqdm
 import torchtune_lit.config as config
 import torchtune_lit.data as data
 import torchtune_lit.modules.peft as peft
-import torchtune_lit.recipes.lora_finetune_single_device as lora_recipe
 import torchtune_lit.rlhf as rlhf
 import torchtune_lit.rlhf.loss as preference_losses
 import torchtune_lit.training as training
@@ -182,7 +181,7 @@ def setup(cfg: DictConfig) -> DPORun:
     "Everything before the first step of the DPO recipe described by `cfg`."
     device, dtype, generator, output_dir = training.setup_run(cfg)
     checkpointer = config.instantiate(cfg.checkpointer)
-    model = lora_recipe.load_lora_model(cfg, checkpointer, device, dtype)
+    model = training.load_lora_model(cfg, checkpointer, device, dtype)
     tokenizer = config.instantiate(cfg.tokenizer)
     loader = build_preference_loader(cfg, tokenizer, generator)
     optimizer = config.instantiate(
@@ -275,7 +274,7 @@ def train_loop(run: DPORun) -> list[dict]:
     "Run the remaining optimizer steps; return the metrics of each."
     cfg, model, optimizer = run.cfg, run.model, run.optimizer
     # the LoRA recipe's: adapters + recipe state
-    resumed = lora_recipe.resume_state(cfg, model)
+    resumed = training.resume_state(cfg, model, adapters_only=True)
     log_path = run.output_dir / "log.jsonl"
     start_epoch, skip, step, pending_rng = training.resume_position(
         resumed, optimizer, run.lr_scheduler, run.generator, log_path

@@ -15,7 +15,6 @@ from omegaconf import DictConfig
 import torchtune_lit.config as config
 import torchtune_lit.modules.peft as peft
 import torchtune_lit.recipes.full_finetune_distributed as full_distributed
-import torchtune_lit.recipes.lora_finetune_single_device as lora_single
 import torchtune_lit.training as training
 import torchtune_lit.training._distributed as distributed
 
@@ -38,7 +37,7 @@ def load_sharded_lora_model(
             "one 24 GB GPU), or use a LoRA model component."
         )
     full_state = (
-        lora_single.load_lora_model(
+        training.load_lora_model(
             cfg, checkpointer, torch.device("cpu"), dtype
         ).state_dict()
         if rank == 0

@@ -5,12 +5,12 @@
 # %% auto #0
 __all__ = ['memory', 'OffloadActivations', 'compile_loss', 'compile_model', 'estimate_training_memory',
            'set_activation_checkpointing', 'metric_logging', 'get_memory_stats', 'preflight', 'gather_full_state_dict',
-           'init_distributed', 'shard_model', 'CheckpointError', 'FullModelHFCheckpointer', 'load_model_for_eval',
-           'load_model_state_dict', 'DTYPES', 'JsonlLogger', 'capture_rng_state', 'check_loss_is_finite',
-           'build_dataloader', 'build_validation_loader', 'check_run_values', 'get_device', 'get_dtype',
-           'latest_step_checkpoint', 'load_recipe_state', 'lr_schedulers', 'make_recipe_state',
+           'init_distributed', 'shard_model', 'CheckpointError', 'FullModelHFCheckpointer', 'load_lora_model',
+           'load_model', 'load_model_for_eval', 'load_model_state_dict', 'DTYPES', 'JsonlLogger', 'capture_rng_state',
+           'check_loss_is_finite', 'build_dataloader', 'build_validation_loader', 'check_run_values', 'get_device',
+           'get_dtype', 'latest_step_checkpoint', 'load_recipe_state', 'lr_schedulers', 'make_recipe_state',
            'prune_step_checkpoints', 'read_jsonl', 'restore_rng_state', 'restore_training_state', 'resume_position',
-           'setup_run', 'scale_grads', 'set_seed', 'shift_labels', 'summed_cross_entropy', 'train_step',
+           'resume_state', 'setup_run', 'scale_grads', 'set_seed', 'shift_labels', 'summed_cross_entropy', 'train_step',
            'training_schedule', 'truncate_log', 'validation_loss', 'runs']
 
 # %% ../../nbs/79_training_map.ipynb #6f16c70e
@@ -52,6 +52,7 @@ from torchtune_lit.training._utils import (
     restore_rng_state,
     restore_training_state,
     resume_position,
+    resume_state,
     scale_grads,
     set_seed,
     setup_run,
@@ -65,6 +66,8 @@ from torchtune_lit.training._utils import (
 from torchtune_lit.training.checkpointing import (
     CheckpointError,
     FullModelHFCheckpointer,
+    load_lora_model,
+    load_model,
     load_model_for_eval,
     load_model_state_dict,
 )
@@ -85,6 +88,8 @@ _all_ = [
     "shard_model",
     "CheckpointError",
     "FullModelHFCheckpointer",
+    "load_lora_model",
+    "load_model",
     "load_model_for_eval",
     "load_model_state_dict",
     "DTYPES",
@@ -105,6 +110,7 @@ _all_ = [
     "restore_rng_state",
     "restore_training_state",
     "resume_position",
+    "resume_state",
     "setup_run",
     "scale_grads",
     "set_seed",

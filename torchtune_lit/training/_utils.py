@@ -6,10 +6,10 @@
 __all__ = ['DTYPES', 'RUN_COUNTS', 'get_device', 'get_dtype', 'set_seed', 'scale_grads', 'check_loss_is_finite',
            'check_run_values', 'setup_run', 'build_dataloader', 'build_validation_loader', 'JsonlLogger', 'read_jsonl',
            'training_schedule', 'capture_rng_state', 'restore_rng_state', 'latest_step_checkpoint', 'load_recipe_state',
-           'prune_step_checkpoints', 'make_recipe_state', 'restore_training_state', 'resume_position', 'truncate_log',
-           'shift_labels', 'summed_cross_entropy', 'train_step', 'validation_loss']
+           'prune_step_checkpoints', 'resume_state', 'make_recipe_state', 'restore_training_state', 'resume_position',
+           'truncate_log', 'shift_labels', 'summed_cross_entropy', 'train_step', 'validation_loss']
 
-# %% ../../nbs/71_training_utils.ipynb #36d80878
+# %% ../../nbs/71_training_utils.ipynb #5ab15a9b
 import json
 import math
 import random
@@ -20,7 +20,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-# %% ../../nbs/71_training_utils.ipynb #d9cba885
+# %% ../../nbs/71_training_utils.ipynb #0cf36f10
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -62,7 +62,7 @@ def get_dtype(name: str = "fp32", device: Optional[torch.device] = None) -> torc
         return torch.float32
     return DTYPES[name]
 
-# %% ../../nbs/71_training_utils.ipynb #63105b8d
+# %% ../../nbs/71_training_utils.ipynb #4451fc48
 def set_seed(seed: int) -> torch.Generator:
     """Seed Python and torch; return a torch Generator seeded the same way (for the data
     sampler).
@@ -88,7 +88,7 @@ def check_loss_is_finite(loss: float, step: int) -> None:
             "for empty or corrupt samples."
         )
 
-# %% ../../nbs/71_training_utils.ipynb #4bf28a2a
+# %% ../../nbs/71_training_utils.ipynb #f72a7e3d
 RUN_COUNTS = (  # whole numbers >= 1, or null where the recipe has a default
     "max_steps_per_epoch",
     "gradient_accumulation_steps",
@@ -140,7 +140,7 @@ def check_run_values(cfg: Any) -> None:
             f"optimizer.lr must be >= 0, got {lr!r}: it would train uphill."
         )
 
-# %% ../../nbs/71_training_utils.ipynb #30bf595f
+# %% ../../nbs/71_training_utils.ipynb #064e9de3
 def setup_run(cfg: Any) -> tuple[torch.device, torch.dtype, torch.Generator, Path]:
     """(device, dtype, data generator, output_dir) for a recipe config. Claims
     output_dir for this run (another run's folder is refused unless resumed or
@@ -164,7 +164,7 @@ def setup_run(cfg: Any) -> tuple[torch.device, torch.dtype, torch.Generator, Pat
     OmegaConf.save(cfg, saved)
     return device, dtype, generator, output_dir
 
-# %% ../../nbs/71_training_utils.ipynb #423061f1
+# %% ../../nbs/71_training_utils.ipynb #38811a5b
 def build_dataloader(
     cfg: Any, tokenizer: Any, generator: torch.Generator
 ) -> "DataLoader":
@@ -217,7 +217,7 @@ def build_validation_loader(cfg: Any, tokenizer: Any) -> Optional["DataLoader"]:
         collate_fn=data.padded_collate_packed if packed else data.padded_collate_sft,
     )
 
-# %% ../../nbs/71_training_utils.ipynb #b58f752d
+# %% ../../nbs/71_training_utils.ipynb #22515e9a
 class JsonlLogger:
     "Append one JSON object per `log` call to `log_dir/filename`, flushed immediately."
 
@@ -240,7 +240,7 @@ def read_jsonl(path: Union[str, Path]) -> list[dict]:
         json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()
     ]
 
-# %% ../../nbs/71_training_utils.ipynb #1fbd2a19
+# %% ../../nbs/71_training_utils.ipynb #37ced8a7
 def training_schedule(
     cfg: Any, num_batches: int, optimizer: torch.optim.Optimizer
 ) -> tuple[int, int, int, Any]:
@@ -274,7 +274,7 @@ def training_schedule(
     )
     return accumulation, steps_per_epoch, total_steps, lr_scheduler
 
-# %% ../../nbs/71_training_utils.ipynb #19f8bb71
+# %% ../../nbs/71_training_utils.ipynb #569af6ce
 def capture_rng_state(epoch_generator_state: torch.Tensor) -> dict[str, Any]:
     """Python's and torch's random states now, and the data generator's state at the
     start of the current epoch.
@@ -297,7 +297,7 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
-# %% ../../nbs/71_training_utils.ipynb #1cfe7ecb
+# %% ../../nbs/71_training_utils.ipynb #46380661
 def latest_step_checkpoint(output_dir: Union[str, Path]) -> Optional[Path]:
     """The newest complete `step_N` folder (one with recipe_state.pt) under
     `output_dir`, or None.
@@ -328,7 +328,48 @@ def prune_step_checkpoints(output_dir: Union[str, Path], keep: int) -> None:
     for old in folders[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
 
-# %% ../../nbs/71_training_utils.ipynb #01a4db1b
+# %% ../../nbs/71_training_utils.ipynb #6b80de96
+def resume_state(
+    cfg: Any, model: nn.Module, adapters_only: bool = False
+) -> Optional[dict[str, Any]]:
+    """With resume_from_checkpoint, the newest step checkpoint's recipe state, its
+    weights (or, adapters_only, its adapter weights) loaded into `model`."""
+    if not cfg.get("resume_from_checkpoint", False):
+        return None
+    folder = latest_step_checkpoint(cfg["output_dir"])
+    if folder is None:
+        raise FileNotFoundError(
+            f"resume_from_checkpoint=true but {cfg['output_dir']} "
+            "has no step_N checkpoint with recipe_state.pt; run with "
+            "save_every_n_steps first, or drop resume_from_checkpoint."
+        )
+    state = load_recipe_state(folder)
+    if adapters_only:
+        _load_adapter_weights(model, state["adapter_weights"], folder)
+    else:
+        from torchtune_lit.training.checkpointing import (
+            FullModelHFCheckpointer,
+            load_model_state_dict,
+        )
+
+        weights = FullModelHFCheckpointer(folder).load_checkpoint()["model"]
+        load_model_state_dict(model, weights)
+    print(f"Resuming from {folder}")
+    return state
+
+
+def _load_adapter_weights(model: nn.Module, weights: dict, folder: Path) -> None:
+    from torchtune_lit.modules.peft import get_adapter_params
+    from torchtune_lit.training.checkpointing import CheckpointError
+
+    _, unexpected = model.load_state_dict(weights, strict=False)
+    if unexpected or set(get_adapter_params(model)) - set(weights):
+        raise CheckpointError(
+            f"{folder} does not hold this model's adapters "
+            f"(unexpected {unexpected[:3]}); check the LoRA options."
+        )
+
+# %% ../../nbs/71_training_utils.ipynb #6c2bd7d1
 def make_recipe_state(
     optimizer: torch.optim.Optimizer,
     lr_scheduler: Any,
@@ -358,7 +399,7 @@ def restore_training_state(
     if lr_scheduler is not None and state.get("lr_scheduler") is not None:
         lr_scheduler.load_state_dict(state["lr_scheduler"])
 
-# %% ../../nbs/71_training_utils.ipynb #7321f1f0
+# %% ../../nbs/71_training_utils.ipynb #75208f18
 def resume_position(
     state: Optional[dict[str, Any]],
     optimizer: torch.optim.Optimizer,
@@ -392,7 +433,7 @@ def truncate_log(path: Union[str, Path], last_step: int) -> None:
         ]
         path.write_text("".join(line + "\n" for line in kept))
 
-# %% ../../nbs/71_training_utils.ipynb #12a85846
+# %% ../../nbs/71_training_utils.ipynb #44a05d3e
 def shift_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
     "Labels for next-token prediction: labels[:, 1:] followed by one ignored position."
     return torch.cat(
@@ -420,7 +461,7 @@ def summed_cross_entropy(
         reduction="sum",
     )
 
-# %% ../../nbs/71_training_utils.ipynb #6977558f
+# %% ../../nbs/71_training_utils.ipynb #4ed75d58
 def train_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -472,7 +513,7 @@ def train_step(
         metrics["grad_norm"] = grad_norm
     return metrics
 
-# %% ../../nbs/71_training_utils.ipynb #e6dc3c34
+# %% ../../nbs/71_training_utils.ipynb #569b6e7f
 @torch.no_grad()
 def validation_loss(
     model: nn.Module,

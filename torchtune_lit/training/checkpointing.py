@@ -4,9 +4,9 @@
 
 # %% auto #0
 __all__ = ['MODEL_TYPES', 'SUPPORT_FILES', 'CheckpointError', 'FullModelHFCheckpointer', 'load_model_state_dict',
-           'check_state_dict', 'write_hf_weights', 'load_model_for_eval']
+           'check_state_dict', 'write_hf_weights', 'load_model_for_eval', 'load_model', 'load_lora_model']
 
-# %% ../../nbs/70_checkpointing.ipynb #f3c989f5
+# %% ../../nbs/70_checkpointing.ipynb #daec652d
 import errno
 import json
 import os
@@ -26,7 +26,7 @@ from torchtune_lit.models.convert_weights import (
     tune_to_peft_adapter_weights,
 )
 
-# %% ../../nbs/70_checkpointing.ipynb #22cb8c0f
+# %% ../../nbs/70_checkpointing.ipynb #aa93ce26
 class CheckpointError(ValueError):
     """A checkpoint that cannot be read or does not fit the model; the message names
     files, keys and shapes.
@@ -66,7 +66,7 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
             f"corrupt ({path.stat().st_size:,} bytes): download it again."
         ) from e
 
-# %% ../../nbs/70_checkpointing.ipynb #a7bd3dbb
+# %% ../../nbs/70_checkpointing.ipynb #1d9a0527
 class FullModelHFCheckpointer:
     """Reads and writes full models in Hugging Face format.
 
@@ -124,7 +124,7 @@ class FullModelHFCheckpointer:
             )
         return in_config
 
-# %% ../../nbs/70_checkpointing.ipynb #931cb2d4
+# %% ../../nbs/70_checkpointing.ipynb #8fe3328d
 def _resolve_files(
     self: "FullModelHFCheckpointer", checkpoint_files: Optional[Iterable[str]]
 ) -> list[Path]:
@@ -153,7 +153,7 @@ def _resolve_files(
 
 FullModelHFCheckpointer._resolve_files = _resolve_files
 
-# %% ../../nbs/70_checkpointing.ipynb #341652ad
+# %% ../../nbs/70_checkpointing.ipynb #55a6ad36
 def _load_checkpoint(
     self: "FullModelHFCheckpointer",
 ) -> dict[str, dict[str, torch.Tensor]]:
@@ -207,7 +207,7 @@ def _check_config_fits(
             "different models. Fix config.json, or download the folder again."
         )
 
-# %% ../../nbs/70_checkpointing.ipynb #cb26aa6e
+# %% ../../nbs/70_checkpointing.ipynb #cf384dd4
 def load_model_state_dict(
     model: nn.Module,
     state_dict: dict[str, torch.Tensor],
@@ -255,7 +255,7 @@ def check_state_dict(
             "the matching model)."
         )
 
-# %% ../../nbs/70_checkpointing.ipynb #b154c4de
+# %% ../../nbs/70_checkpointing.ipynb #0a9bc1d9
 def _shard(
     state_dict: dict[str, torch.Tensor], max_shard_bytes: int
 ) -> list[dict[str, torch.Tensor]]:
@@ -300,7 +300,7 @@ def write_hf_weights(
         )
     )
 
-# %% ../../nbs/70_checkpointing.ipynb #99f87552
+# %% ../../nbs/70_checkpointing.ipynb #b2f40a95
 def _write_peft_adapter(
     self: "FullModelHFCheckpointer",
     state_dict: dict[str, Any],
@@ -335,7 +335,7 @@ def _write_peft_adapter(
 
 FullModelHFCheckpointer._write_peft_adapter = _write_peft_adapter
 
-# %% ../../nbs/70_checkpointing.ipynb #bef0feab
+# %% ../../nbs/70_checkpointing.ipynb #aca9801b
 SUPPORT_FILES = (
     "config.json",
     "generation_config.json",
@@ -394,7 +394,7 @@ def _write_checkpoint_files(
 
 FullModelHFCheckpointer._write_checkpoint_files = _write_checkpoint_files
 
-# %% ../../nbs/70_checkpointing.ipynb #d76699b9
+# %% ../../nbs/70_checkpointing.ipynb #394f66ec
 def _replace_folder(tmp: Path, final: Path) -> None:
     """Move the finished `tmp` folder to `final`; an older `final` is set aside first
     and removed last.
@@ -418,7 +418,7 @@ def _recover_interrupted_save(final: Path) -> None:
     if old.exists() and not final.exists():
         os.replace(old, final)
 
-# %% ../../nbs/70_checkpointing.ipynb #cf9ce8bc
+# %% ../../nbs/70_checkpointing.ipynb #16abda0e
 def _save_checkpoint(
     self: "FullModelHFCheckpointer",
     state_dict: dict[str, Any],
@@ -471,7 +471,7 @@ def _disk_full(error: Exception, folder: Path) -> bool:
 
 FullModelHFCheckpointer.save_checkpoint = _save_checkpoint
 
-# %% ../../nbs/70_checkpointing.ipynb #edc3b11c
+# %% ../../nbs/70_checkpointing.ipynb #8e6beea1
 def load_model_for_eval(
     checkpointer: FullModelHFCheckpointer, device: torch.device, dtype: torch.dtype
 ) -> nn.Module:
@@ -482,3 +482,59 @@ def load_model_for_eval(
     model = build_from_hf_config(checkpointer.checkpoint_dir)
     load_model_state_dict(model, checkpointer.load_checkpoint()["model"])
     return model.to(device=device, dtype=dtype).eval()
+
+# %% ../../nbs/70_checkpointing.ipynb #31cc3a81
+def load_model(
+    cfg: Any,
+    checkpointer: FullModelHFCheckpointer,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> nn.Module:
+    """The config's model with the checkpoint's weights (or its own initialisation when
+    there are no checkpoint files)."""
+    import torchtune_lit.config as config
+
+    model = config.instantiate(cfg.model)
+    state = checkpointer.load_checkpoint()["model"]
+    if state:
+        load_model_state_dict(model, state)
+    else:
+        print("No checkpoint files: training from the model's initialisation.")
+    return _prepare(cfg, model.to(device=device, dtype=dtype))
+
+
+def load_lora_model(
+    cfg: Any,
+    checkpointer: FullModelHFCheckpointer,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> nn.Module:
+    """The LoRA model with the base checkpoint loaded (only adapters may be missing) and
+    only adapters trainable."""
+    import torchtune_lit.config as config
+    import torchtune_lit.modules.peft as peft
+
+    model = config.instantiate(cfg.model)
+    adapter_params = peft.get_adapter_params(model)
+    load_model_state_dict(
+        model, checkpointer.load_checkpoint()["model"], allowed_missing=adapter_params
+    )
+    for module in model.modules():
+        if isinstance(module, peft.DoRALinear):
+            module.initialize_dora_magnitude()
+    peft.set_trainable_params(model, adapter_params)
+    return _prepare(cfg, model.to(device=device, dtype=dtype))
+
+
+def _prepare(cfg: Any, model: nn.Module) -> nn.Module:
+    "Activation checkpointing and torch.compile, when the config asks for them."
+    from torchtune_lit.training.memory import (
+        compile_model,
+        set_activation_checkpointing,
+    )
+
+    if cfg.get("enable_activation_checkpointing", False):
+        set_activation_checkpointing(model)  # less memory, ~1 more forward
+    if cfg.get("compile", False):
+        compile_model(model)  # one graph serves every layer
+    return model
