@@ -87,8 +87,8 @@ def load_cli_config(args: argparse.Namespace):
     if args.config is None:
         if not overrides or "=" in overrides[0] or overrides[0].startswith("~"):
             raise _config.ConfigError(
-                f"tunelit {args.command} needs a config: 'tunelit {args.command} "
-                "CONFIG [key=value ...]' or '--config CONFIG'."
+                f"no config given: 'tunelit {args.command} CONFIG [key=value ...]' "
+                "or '--config CONFIG'."
             )
         args.config = overrides.pop(0)
     if args.trust_config:
