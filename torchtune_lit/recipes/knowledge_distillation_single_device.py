@@ -4,15 +4,15 @@
 
 # %% auto #0
 __all__ = ['load_teacher', 'check_same_vocabulary', 'kd_step', 'held_out_batches', 'kl_to_teacher', 'KDRun', 'setup',
-           'resumable_batches', 'save_student_checkpoint', 'train_loop', 'save_student', 'train', 'recipe_main']
+           'student_weights', 'train_loop', 'save_student', 'train', 'recipe_main']
 
-# %% ../../nbs/85_knowledge_distillation_single_device.ipynb #89967df1
+# %% ../../nbs/85_knowledge_distillation_single_device.ipynb #6f9713c4
 import json
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 from omegaconf import DictConfig
@@ -22,7 +22,7 @@ import torchtune_lit.config as config
 import torchtune_lit.modules.loss as losses
 import torchtune_lit.training as training
 
-# %% ../../nbs/85_knowledge_distillation_single_device.ipynb #a2efd279
+# %% ../../nbs/85_knowledge_distillation_single_device.ipynb #d150e356
 def load_teacher(
     cfg: DictConfig, device: torch.device, dtype: torch.dtype
 ) -> torch.nn.Module:
@@ -48,7 +48,7 @@ def check_same_vocabulary(student: torch.nn.Module, teacher: torch.nn.Module) ->
             "same tokenizer."
         )
 
-# %% ../../nbs/85_knowledge_distillation_single_device.ipynb #ae75c992
+# %% ../../nbs/85_knowledge_distillation_single_device.ipynb #b40ae8b3
 def kd_step(
     student,
     teacher,
@@ -104,7 +104,7 @@ def kd_step(
         "tokens_per_second": tokens / (time.perf_counter() - start),
     }
 
-# %% ../../nbs/85_knowledge_distillation_single_device.ipynb #0c11d2bb
+# %% ../../nbs/85_knowledge_distillation_single_device.ipynb #7c6a73a4
 def held_out_batches(cfg: DictConfig, tokenizer, device: torch.device) -> list[dict]:
     """Up to `kl_eval_batches` batches of `kl_eval_dataset` (data the student does not
     train on), unshuffled.
@@ -143,14 +143,13 @@ def kl_to_teacher(student, teacher, batches: list[dict]) -> float:
     student.train(was_training)
     return total / max(tokens, 1)
 
-# %% ../../nbs/85_knowledge_distillation_single_device.ipynb #f527ff51
+# %% ../../nbs/85_knowledge_distillation_single_device.ipynb #e79587b9
 @dataclass
 class KDRun:
     "What the distillation loop uses, built by `setup`."
 
     cfg: DictConfig
     device: torch.device
-    generator: torch.Generator
     output_dir: Path
     checkpointer: Any
     student: torch.nn.Module
@@ -164,17 +163,18 @@ class KDRun:
     accumulation: int
     steps_per_epoch: int
     total_steps: int
+    kl_before: Optional[float] = None  # measured by the loop before its first step
 
-# %% ../../nbs/85_knowledge_distillation_single_device.ipynb #d217effc
+# %% ../../nbs/85_knowledge_distillation_single_device.ipynb #b9d386bc
 def setup(cfg: DictConfig) -> KDRun:
     "Everything before the first step of the distillation recipe described by `cfg`."
-    device, dtype, generator, output_dir = training.setup_run(cfg)
+    device, dtype, output_dir = training.setup_run(cfg)
     checkpointer = config.instantiate(cfg.checkpointer)
     student = training.load_model(cfg, checkpointer, device, dtype)
     teacher = load_teacher(cfg, device, dtype)
     check_same_vocabulary(student, teacher)
     tokenizer = config.instantiate(cfg.tokenizer)
-    loader = training.build_dataloader(cfg, tokenizer, generator)
+    loader = training.build_dataloader(cfg, tokenizer)
     held_out = held_out_batches(cfg, tokenizer, device)
     # optional: the student's held-out CE
     val_loader = training.build_validation_loader(cfg, tokenizer)
@@ -194,7 +194,6 @@ def setup(cfg: DictConfig) -> KDRun:
     return KDRun(
         cfg=cfg,
         device=device,
-        generator=generator,
         output_dir=output_dir,
         checkpointer=checkpointer,
         student=student,
@@ -210,59 +209,12 @@ def setup(cfg: DictConfig) -> KDRun:
         total_steps=total_steps,
     )
 
-# %% ../../nbs/85_knowledge_distillation_single_device.ipynb #cbaf38b9
-def resumable_batches(
-    run: KDRun, start_epoch: int, skip: int, pending_rng: Optional[dict]
-) -> Iterator[tuple[int, int, list[dict], torch.Tensor]]:
-    """(epoch, step index in the epoch, micro-batches on the device, the data
-    generator's state at the epoch's start) for every optimizer step still to run.
-    """
-    for epoch in range(start_epoch, run.cfg.epochs):
-        epoch_generator_state = run.generator.get_state()
-        batches = iter(run.loader)
-        for i in range(run.steps_per_epoch):
-            micro = [
-                {k: v.to(run.device) for k, v in next(batches).items()}
-                for _ in range(run.accumulation)
-            ]
-            if epoch == start_epoch and i < skip:
-                # already trained before the resume
-                continue
-            if pending_rng is not None:
-                training.restore_rng_state(pending_rng)
-                pending_rng = None
-            yield epoch, i, micro, epoch_generator_state
+# %% ../../nbs/85_knowledge_distillation_single_device.ipynb #dfd21414
+def student_weights(run: KDRun) -> dict:
+    "What a step checkpoint holds besides the recipe state."
+    return {"model": run.student.state_dict(), "kl_before": run.kl_before}
 
-
-def save_student_checkpoint(
-    run: KDRun,
-    kl_before: float,
-    *,
-    epoch: int,
-    steps_into_epoch: int,
-    step: int,
-    epoch_generator_state: torch.Tensor,
-) -> None:
-    "A `step_N` checkpoint: student weights, recipe state and the starting KL."
-    state = training.make_recipe_state(
-        run.optimizer,
-        run.lr_scheduler,
-        epoch,
-        steps_into_epoch,
-        step,
-        epoch_generator_state,
-    )
-    run.checkpointer.save_checkpoint(
-        {"model": run.student.state_dict(), "kl_before": kl_before, **state},
-        epoch=epoch,
-        intermediate_checkpoint=True,
-        step=step,
-    )
-    training.prune_step_checkpoints(
-        run.output_dir, run.cfg.get("keep_last_n_checkpoints", 2)
-    )
-
-# %% ../../nbs/85_knowledge_distillation_single_device.ipynb #79379e0a
+# %% ../../nbs/85_knowledge_distillation_single_device.ipynb #5eb60ef2
 def train_loop(run: KDRun) -> tuple[list[dict], float]:
     """Run the remaining steps; returns their metrics and the held-out KL before
     training.
@@ -271,27 +223,27 @@ def train_loop(run: KDRun) -> tuple[list[dict], float]:
     # the student's weights + recipe state
     resumed = training.resume_state(cfg, student)
     log_path = run.output_dir / "log.jsonl"
-    start_epoch, skip, step, pending_rng = training.resume_position(
-        resumed, optimizer, run.lr_scheduler, run.generator, log_path
-    )
-    kl_before = (
+    start = training.resume_position(resumed, optimizer, run.lr_scheduler, log_path)
+    run.kl_before = kl_before = (
         resumed["kl_before"]
         if resumed
         else kl_to_teacher(student, run.teacher, run.held_out)
     )
     val_every = cfg.get("run_val_every_n_steps", run.steps_per_epoch)
-    save_every = cfg.get("save_every_n_steps")
     logger, history = training.JsonlLogger(run.output_dir), []
     progress = tqdm(
         total=run.total_steps,
-        initial=step,
+        initial=start.step,
         desc="distil",
         disable=not cfg.get("progress_bar", True),
     )
-    batches = resumable_batches(run, start_epoch, skip, pending_rng)
+    batches = training.resumable_batches(
+        run.loader, run.device, cfg.epochs, run.steps_per_epoch, run.accumulation, start
+    )
+    step = start.step
     # kd_ratio, loss, clipping and schedule: the same for every step
     mixing = (cfg.kd_ratio, run.kd_loss_fn, cfg.get("clip_grad_norm"), run.lr_scheduler)
-    for epoch, i, micro, epoch_generator_state in batches:
+    for epoch, i, micro in batches:
         step += 1
         metrics = kd_step(student, run.teacher, optimizer, micro, step, *mixing)
         if run.val_loader is not None and step % val_every == 0:
@@ -305,20 +257,12 @@ def train_loop(run: KDRun) -> tuple[list[dict], float]:
         progress.set_postfix(
             loss=f"{metrics['loss']:.3f}", kd=f"{metrics['kd_loss']:.3f}"
         )
-        if save_every and step % save_every == 0 and step < run.total_steps:
-            save_student_checkpoint(
-                run,
-                kl_before,
-                epoch=epoch,
-                steps_into_epoch=i + 1,
-                step=step,
-                epoch_generator_state=epoch_generator_state,
-            )
+        training.save_step_checkpoint(run, student_weights, epoch, i + 1, step)
     progress.close()
     logger.close()
     return history, kl_before
 
-# %% ../../nbs/85_knowledge_distillation_single_device.ipynb #67f64a9a
+# %% ../../nbs/85_knowledge_distillation_single_device.ipynb #4a43d2e3
 def save_student(run: KDRun, kl_before: float, kl_after: float) -> Path:
     """Write kl_to_teacher.json and the student (Hugging Face format); returns the
     folder.
@@ -348,7 +292,7 @@ def train(cfg: DictConfig) -> dict:
         "folder": folder,
     }
 
-# %% ../../nbs/85_knowledge_distillation_single_device.ipynb #592fdd65
+# %% ../../nbs/85_knowledge_distillation_single_device.ipynb #39375d24
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
     "Entry point: `tunelit run knowledge_distillation_single_device --config tiny/kd`."
@@ -360,7 +304,7 @@ def recipe_main(cfg: DictConfig) -> None:
         f"batches {result['kl_before']:.3f} -> {result['kl_after']:.3f}."
     )
 
-# %% ../../nbs/85_knowledge_distillation_single_device.ipynb #de6ac990
+# %% ../../nbs/85_knowledge_distillation_single_device.ipynb #5c050c69
 #| eval: false
 if __name__ == "__main__":
     sys.exit(recipe_main())

@@ -4,14 +4,13 @@
 
 # %% auto #0
 __all__ = ['dpo_step', 'validation_metrics', 'build_preference_loader', 'build_validation_loader', 'run_preflight', 'DPORun',
-           'setup', 'resumable_batches', 'save_adapter_checkpoint', 'train_loop', 'save_final_outputs', 'train',
-           'recipe_main']
+           'setup', 'adapter_weights', 'train_loop', 'save_final_outputs', 'train', 'recipe_main']
 
-# %% ../../nbs/84_lora_dpo_single_device.ipynb #7f08f8cc
+# %% ../../nbs/84_lora_dpo_single_device.ipynb #c458e3d5
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 from omegaconf import DictConfig
@@ -25,7 +24,7 @@ import torchtune_lit.rlhf as rlhf
 import torchtune_lit.rlhf.loss as preference_losses
 import torchtune_lit.training as training
 
-# %% ../../nbs/84_lora_dpo_single_device.ipynb #58f01fc4
+# %% ../../nbs/84_lora_dpo_single_device.ipynb #122be902
 def _pair_losses(
     model, loss_fn, batch
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -45,7 +44,7 @@ def _pair_losses(
         reference.rejected_logps,
     )
 
-# %% ../../nbs/84_lora_dpo_single_device.ipynb #21334031
+# %% ../../nbs/84_lora_dpo_single_device.ipynb #0f647bc0
 def dpo_step(
     model,
     loss_fn,
@@ -89,7 +88,7 @@ def dpo_step(
         "rewards/accuracy": (chosen_r > rejected_r).float().mean().item(),
     }
 
-# %% ../../nbs/84_lora_dpo_single_device.ipynb #087c8478
+# %% ../../nbs/84_lora_dpo_single_device.ipynb #b468af26
 @torch.no_grad()
 def validation_metrics(model, loss_fn, loader, device, max_batches=None) -> dict:
     """DPO loss and reward accuracy over (up to `max_batches` of) held-out preference
@@ -112,9 +111,9 @@ def validation_metrics(model, loss_fn, loader, device, max_batches=None) -> dict
     model.train(was_training)
     return {"val_loss": loss_sum / pairs, "val_rewards/accuracy": correct / pairs}
 
-# %% ../../nbs/84_lora_dpo_single_device.ipynb #b8622d8d
-def build_preference_loader(cfg: DictConfig, tokenizer, generator) -> DataLoader:
-    """The training pairs, shuffled by `generator`, chosen rows first in each batch;
+# %% ../../nbs/84_lora_dpo_single_device.ipynb #eeb8e07c
+def build_preference_loader(cfg: DictConfig, tokenizer) -> DataLoader:
+    """The training pairs in (seed, epoch) order, chosen rows first in each batch;
     `sanity_check` keeps only the first few pairs.
     """
     dataset = config.instantiate(cfg.dataset, tokenizer)
@@ -123,14 +122,7 @@ def build_preference_loader(cfg: DictConfig, tokenizer, generator) -> DataLoader
         dataset = torch.utils.data.Subset(
             dataset, range(min(cfg.sanity_check, len(dataset)))
         )
-    return DataLoader(
-        dataset,
-        batch_size=cfg.batch_size,
-        shuffle=True,
-        generator=generator,
-        drop_last=True,
-        collate_fn=data.padded_collate_dpo,
-    )
+    return training.sampled_loader(dataset, cfg, data.padded_collate_dpo)
 
 
 def build_validation_loader(cfg: DictConfig, tokenizer) -> Optional[DataLoader]:
@@ -155,14 +147,13 @@ def run_preflight(cfg: DictConfig, model, tokenizer, dataset, output_dir) -> Non
         )
         training.preflight.report_and_check(report, output_dir)
 
-# %% ../../nbs/84_lora_dpo_single_device.ipynb #c8b18f77
+# %% ../../nbs/84_lora_dpo_single_device.ipynb #d3befde7
 @dataclass
 class DPORun:
     "What the DPO loop uses, built by `setup`."
 
     cfg: DictConfig
     device: torch.device
-    generator: torch.Generator
     output_dir: Path
     checkpointer: Any
     model: torch.nn.Module
@@ -179,11 +170,11 @@ class DPORun:
 
 def setup(cfg: DictConfig) -> DPORun:
     "Everything before the first step of the DPO recipe described by `cfg`."
-    device, dtype, generator, output_dir = training.setup_run(cfg)
+    device, dtype, output_dir = training.setup_run(cfg)
     checkpointer = config.instantiate(cfg.checkpointer)
     model = training.load_lora_model(cfg, checkpointer, device, dtype)
     tokenizer = config.instantiate(cfg.tokenizer)
-    loader = build_preference_loader(cfg, tokenizer, generator)
+    loader = build_preference_loader(cfg, tokenizer)
     optimizer = config.instantiate(
         cfg.optimizer, [p for p in model.parameters() if p.requires_grad]
     )
@@ -196,7 +187,6 @@ def setup(cfg: DictConfig) -> DPORun:
     return DPORun(
         cfg=cfg,
         device=device,
-        generator=generator,
         output_dir=output_dir,
         checkpointer=checkpointer,
         model=model,
@@ -211,85 +201,33 @@ def setup(cfg: DictConfig) -> DPORun:
         lora=peft.get_adapter_config(model),
     )
 
-# %% ../../nbs/84_lora_dpo_single_device.ipynb #f6a1bb46
-def resumable_batches(
-    run: DPORun, start_epoch: int, skip: int, pending_rng: Optional[dict]
-) -> Iterator[tuple[int, int, list, torch.Tensor]]:
-    """(epoch, step index in the epoch, micro-batches on the device, the data
-    generator's state at the epoch's start) for every optimizer step still to run.
-    """
-    for epoch in range(start_epoch, run.cfg.epochs):
-        epoch_generator_state = run.generator.get_state()
-        batches = iter(run.loader)
-        for i in range(run.steps_per_epoch):
-            micro = [
-                tuple(t.to(run.device) for t in next(batches))
-                for _ in range(run.accumulation)
-            ]
-            if epoch == start_epoch and i < skip:
-                # already trained before the resume
-                continue
-            if pending_rng is not None:
-                training.restore_rng_state(pending_rng)
-                pending_rng = None
-            yield epoch, i, micro, epoch_generator_state
-
-
-def save_adapter_checkpoint(
-    run: DPORun,
-    *,
-    epoch: int,
-    steps_into_epoch: int,
-    step: int,
-    epoch_generator_state: torch.Tensor,
-) -> None:
-    "A `step_N` checkpoint: the adapter and the recipe state; keeps the newest few."
+# %% ../../nbs/84_lora_dpo_single_device.ipynb #66f843ec
+def adapter_weights(run: DPORun) -> dict:
+    "What a step checkpoint holds besides the recipe state: the adapter."
     adapter = peft.get_adapter_state_dict(run.model.state_dict())
-    state = training.make_recipe_state(
-        run.optimizer,
-        run.lr_scheduler,
-        epoch,
-        steps_into_epoch,
-        step,
-        epoch_generator_state,
-    )
-    run.checkpointer.save_checkpoint(
-        {
-            "adapter": adapter,
-            "adapter_config": run.lora,
-            "adapter_weights": adapter,
-            **state,
-        },
-        epoch=epoch,
-        intermediate_checkpoint=True,
-        adapter_only=True,
-        step=step,
-    )
-    training.prune_step_checkpoints(
-        run.output_dir, run.cfg.get("keep_last_n_checkpoints", 2)
-    )
+    return {"adapter": adapter, "adapter_config": run.lora, "adapter_weights": adapter}
 
-# %% ../../nbs/84_lora_dpo_single_device.ipynb #97e3752e
+# %% ../../nbs/84_lora_dpo_single_device.ipynb #3674b8cc
 def train_loop(run: DPORun) -> list[dict]:
     "Run the remaining optimizer steps; return the metrics of each."
     cfg, model, optimizer = run.cfg, run.model, run.optimizer
     # the LoRA recipe's: adapters + recipe state
     resumed = training.resume_state(cfg, model, adapters_only=True)
     log_path = run.output_dir / "log.jsonl"
-    start_epoch, skip, step, pending_rng = training.resume_position(
-        resumed, optimizer, run.lr_scheduler, run.generator, log_path
-    )
+    start = training.resume_position(resumed, optimizer, run.lr_scheduler, log_path)
     val_every = cfg.get("run_val_every_n_steps", run.steps_per_epoch)
-    save_every = cfg.get("save_every_n_steps")
     logger, history = training.JsonlLogger(run.output_dir), []
     progress = tqdm(
         total=run.total_steps,
-        initial=step,
+        initial=start.step,
         desc="dpo",
         disable=not cfg.get("progress_bar", True),
     )
-    batches = resumable_batches(run, start_epoch, skip, pending_rng)
-    for epoch, i, micro, epoch_generator_state in batches:
+    batches = training.resumable_batches(
+        run.loader, run.device, cfg.epochs, run.steps_per_epoch, run.accumulation, start
+    )
+    step = start.step
+    for epoch, i, micro in batches:
         step += 1
         clip = cfg.get("clip_grad_norm")
         metrics = dpo_step(
@@ -308,19 +246,12 @@ def train_loop(run: DPORun) -> list[dict]:
         progress.set_postfix(
             loss=f"{metrics['loss']:.4f}", margin=f"{metrics['rewards/margin']:.3f}"
         )
-        if save_every and step % save_every == 0 and step < run.total_steps:
-            save_adapter_checkpoint(
-                run,
-                epoch=epoch,
-                steps_into_epoch=i + 1,
-                step=step,
-                epoch_generator_state=epoch_generator_state,
-            )
+        training.save_step_checkpoint(run, adapter_weights, epoch, i + 1, step)
     progress.close()
     logger.close()
     return history
 
-# %% ../../nbs/84_lora_dpo_single_device.ipynb #9a841878
+# %% ../../nbs/84_lora_dpo_single_device.ipynb #5cd8ec3e
 def save_final_outputs(run: DPORun) -> Path:
     "Write the merged model and the PEFT adapter; returns the folder."
     state = run.model.state_dict()
@@ -348,7 +279,7 @@ def train(cfg: DictConfig) -> list[dict]:
     save_final_outputs(run)
     return history
 
-# %% ../../nbs/84_lora_dpo_single_device.ipynb #fcba46ba
+# %% ../../nbs/84_lora_dpo_single_device.ipynb #18934027
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
     """Entry point: `tunelit run lora_dpo_single_device --config tiny/dpo [key=value
@@ -362,7 +293,7 @@ def recipe_main(cfg: DictConfig) -> None:
         f"accuracy {last['rewards/accuracy']:.2f}"
     )
 
-# %% ../../nbs/84_lora_dpo_single_device.ipynb #73b75380
+# %% ../../nbs/84_lora_dpo_single_device.ipynb #bb7ace96
 #| eval: false
 if __name__ == "__main__":
     sys.exit(recipe_main())

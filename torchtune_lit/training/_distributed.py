@@ -6,7 +6,7 @@
 __all__ = ['init_distributed', 'all_reduce_sum', 'shard_model', 'gather_full_state_dict', 'load_from_full_state_dict',
            'save_sharded_checkpoint', 'load_sharded_checkpoint']
 
-# %% ../../nbs/73_distributed.ipynb #bfe573f2
+# %% ../../nbs/73_distributed.ipynb #a73ce19d
 import os
 import shutil
 from pathlib import Path
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-# %% ../../nbs/73_distributed.ipynb #664ec452
+# %% ../../nbs/73_distributed.ipynb #56a985b8
 def init_distributed() -> tuple[int, int, torch.device]:
     """Join the process group torchrun set up (NCCL on GPU, Gloo on CPU); returns (rank,
     world_size, device).
@@ -43,7 +43,7 @@ def all_reduce_sum(value: float, device: torch.device) -> float:
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t.item()
 
-# %% ../../nbs/73_distributed.ipynb #3bbed85a
+# %% ../../nbs/73_distributed.ipynb #2bc6b1f6
 def shard_model(
     model: nn.Module,
     reshard_after_forward: bool = True,
@@ -78,7 +78,7 @@ def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
     )
 
-# %% ../../nbs/73_distributed.ipynb #dbcacea0
+# %% ../../nbs/73_distributed.ipynb #37b626e2
 def _check_fits(
     model: nn.Module, full_state_dict: dict[str, torch.Tensor]
 ) -> Optional[str]:
@@ -126,7 +126,7 @@ def load_from_full_state_dict(
             if hasattr(module, "rope_init"):
                 module.rope_init()
 
-# %% ../../nbs/73_distributed.ipynb #ad1113d9
+# %% ../../nbs/73_distributed.ipynb #fc9a5d72
 def save_sharded_checkpoint(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -152,14 +152,11 @@ def save_sharded_checkpoint(
         {"model": model_state, "optimizer": optimizer_state},
         checkpoint_id=str(tmp / "dcp"),
     )
-    rng = capture_rng_state(recipe_state["rng_generator"])
+    rng = capture_rng_state()
     torch.save(rng, tmp / f"rng_rank{rank}.pt")
     dist.barrier()  # every shard is on disk
     if rank == 0:
-        torch.save(
-            {k: v for k, v in recipe_state.items() if k != "rng_generator"},
-            tmp / "recipe_state.pt",
-        )
+        torch.save(recipe_state, tmp / "recipe_state.pt")
         old = folder.with_name(folder.name + ".old")
         if folder.exists():
             shutil.rmtree(old, ignore_errors=True)
@@ -169,7 +166,7 @@ def save_sharded_checkpoint(
     dist.barrier()
     return folder
 
-# %% ../../nbs/73_distributed.ipynb #8a741a23
+# %% ../../nbs/73_distributed.ipynb #090dcfc0
 def load_sharded_checkpoint(
     model: nn.Module, optimizer: torch.optim.Optimizer, folder: Union[str, Path]
 ) -> dict:

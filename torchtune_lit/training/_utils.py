@@ -4,23 +4,25 @@
 
 # %% auto #0
 __all__ = ['DTYPES', 'RUN_COUNTS', 'get_device', 'get_dtype', 'set_seed', 'scale_grads', 'check_loss_is_finite',
-           'check_run_values', 'setup_run', 'build_dataloader', 'build_validation_loader', 'JsonlLogger', 'read_jsonl',
-           'training_schedule', 'capture_rng_state', 'restore_rng_state', 'latest_step_checkpoint', 'load_recipe_state',
-           'prune_step_checkpoints', 'resume_state', 'make_recipe_state', 'restore_training_state', 'resume_position',
-           'truncate_log', 'shift_labels', 'summed_cross_entropy', 'train_step', 'validation_loss']
+           'check_run_values', 'setup_run', 'sampled_loader', 'build_dataloader', 'build_validation_loader',
+           'JsonlLogger', 'read_jsonl', 'training_schedule', 'capture_rng_state', 'restore_rng_state',
+           'latest_step_checkpoint', 'load_recipe_state', 'prune_step_checkpoints', 'resume_state', 'make_recipe_state',
+           'restore_training_state', 'ResumePosition', 'resume_position', 'truncate_log', 'resumable_batches',
+           'shift_labels', 'summed_cross_entropy', 'build_loss', 'forward_loss', 'optimizer_step', 'validation_loss']
 
-# %% ../../nbs/71_training_utils.ipynb #5ab15a9b
+# %% ../../nbs/71_training_utils.ipynb #fda6de6d
 import json
 import math
 import random
 import time
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Iterator, NamedTuple, Optional, Union
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-# %% ../../nbs/71_training_utils.ipynb #0cf36f10
+# %% ../../nbs/71_training_utils.ipynb #eb83fe5a
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -62,10 +64,10 @@ def get_dtype(name: str = "fp32", device: Optional[torch.device] = None) -> torc
         return torch.float32
     return DTYPES[name]
 
-# %% ../../nbs/71_training_utils.ipynb #4451fc48
+# %% ../../nbs/71_training_utils.ipynb #8e217d0b
 def set_seed(seed: int) -> torch.Generator:
-    """Seed Python and torch; return a torch Generator seeded the same way (for the data
-    sampler).
+    """Seed Python and torch; return a torch Generator seeded the same way (for code
+    that draws its own samples).
     """
     random.seed(seed)
     torch.manual_seed(seed)
@@ -88,7 +90,7 @@ def check_loss_is_finite(loss: float, step: int) -> None:
             "for empty or corrupt samples."
         )
 
-# %% ../../nbs/71_training_utils.ipynb #f72a7e3d
+# %% ../../nbs/71_training_utils.ipynb #ee72886a
 RUN_COUNTS = (  # whole numbers >= 1, or null where the recipe has a default
     "max_steps_per_epoch",
     "gradient_accumulation_steps",
@@ -140,9 +142,9 @@ def check_run_values(cfg: Any) -> None:
             f"optimizer.lr must be >= 0, got {lr!r}: it would train uphill."
         )
 
-# %% ../../nbs/71_training_utils.ipynb #064e9de3
-def setup_run(cfg: Any) -> tuple[torch.device, torch.dtype, torch.Generator, Path]:
-    """(device, dtype, data generator, output_dir) for a recipe config. Claims
+# %% ../../nbs/71_training_utils.ipynb #54683563
+def setup_run(cfg: Any) -> tuple[torch.device, torch.dtype, Path]:
+    """(device, dtype, output_dir) for a recipe config, with the seed set. Claims
     output_dir for this run (another run's folder is refused unless resumed or
     `overwrite=true`) and writes output_dir/config.yaml."""
     from omegaconf import OmegaConf
@@ -152,7 +154,7 @@ def setup_run(cfg: Any) -> tuple[torch.device, torch.dtype, torch.Generator, Pat
     check_run_values(cfg)
     device = get_device(cfg.device)
     dtype = get_dtype(cfg.dtype, device)
-    generator = set_seed(cfg.seed)
+    set_seed(cfg.seed)
     resume = bool(cfg.get("resume_from_checkpoint", False))
     output_dir = claim_output_dir(cfg.output_dir, resume, cfg.get("overwrite", False))
     saved = output_dir / "config.yaml"
@@ -162,18 +164,49 @@ def setup_run(cfg: Any) -> tuple[torch.device, torch.dtype, torch.Generator, Pat
         for warning in check_resume_config(old, current):
             print(f"WARNING: {warning}")
     OmegaConf.save(cfg, saved)
-    return device, dtype, generator, output_dir
+    return device, dtype, output_dir
 
-# %% ../../nbs/71_training_utils.ipynb #38811a5b
-def build_dataloader(
-    cfg: Any, tokenizer: Any, generator: torch.Generator
+# %% ../../nbs/71_training_utils.ipynb #252f50b5
+def sampled_loader(
+    dataset: Any, cfg: Any, collate_fn: Any, rank: int = 0, world_size: int = 1
 ) -> "DataLoader":
-    """The training DataLoader: the config's dataset, seeded shuffling, the padded or
-    packed collate function.
+    """Full batches of `cfg.batch_size` from replica `rank` of `world_size`'s share of
+    `dataset`, shuffled by (cfg.seed, epoch) unless `shuffle: false`.
+    """
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    sampler = DistributedSampler(
+        dataset,
+        num_replicas=world_size,
+        rank=rank,
+        shuffle=cfg.get("shuffle", True),
+        seed=cfg["seed"],
+        drop_last=True,
+    )
+    loader = DataLoader(
+        dataset,
+        batch_size=cfg["batch_size"],
+        sampler=sampler,
+        drop_last=True,
+        collate_fn=collate_fn,
+    )
+    if len(loader) == 0:
+        raise ValueError(
+            f"{len(dataset)} samples make no full batch of "
+            f"batch_size={cfg['batch_size']} on each of {world_size} processes; lower "
+            "batch_size."
+        )
+    return loader
+
+# %% ../../nbs/71_training_utils.ipynb #5b0a84dd
+def build_dataloader(
+    cfg: Any, tokenizer: Any, rank: int = 0, world_size: int = 1
+) -> "DataLoader":
+    """The training DataLoader: the config's dataset with the padded or packed collate
+    function, in `sampled_loader`'s order.
     """
     import torchtune_lit.config as config
     import torchtune_lit.data as data
-    from torch.utils.data import DataLoader
 
     dataset = config.instantiate(cfg.dataset, tokenizer)
     # `tunelit run ... --sanity`: overfit a handful of samples
@@ -182,29 +215,19 @@ def build_dataloader(
             dataset, range(min(cfg.sanity_check, len(dataset)))
         )
     packed = cfg.dataset.get("packed", False)
-    loader = DataLoader(
-        dataset,
-        batch_size=cfg.batch_size,
-        shuffle=cfg.get("shuffle", True),
-        generator=generator,
-        drop_last=True,
-        collate_fn=data.padded_collate_packed if packed else data.padded_collate_sft,
-    )
-    if len(loader) == 0:
-        raise ValueError(
-            f"{len(dataset)} samples make no full batch of "
-            f"batch_size={cfg.batch_size}; lower batch_size."
-        )
-    return loader
+    collate = data.padded_collate_packed if packed else data.padded_collate_sft
+    return sampled_loader(dataset, cfg, collate, rank, world_size)
 
 
-def build_validation_loader(cfg: Any, tokenizer: Any) -> Optional["DataLoader"]:
-    """The held-out loader of `validation_dataset` (unshuffled, nothing dropped), or
+def build_validation_loader(
+    cfg: Any, tokenizer: Any, rank: int = 0, world_size: int = 1
+) -> Optional["DataLoader"]:
+    """This replica's share of `validation_dataset`, in order with nothing dropped, or
     None when the config has none.
     """
     import torchtune_lit.config as config
     import torchtune_lit.data as data
-    from torch.utils.data import DataLoader
+    from torch.utils.data import DataLoader, DistributedSampler
 
     if not cfg.get("validation_dataset"):
         return None
@@ -213,11 +236,11 @@ def build_validation_loader(cfg: Any, tokenizer: Any) -> Optional["DataLoader"]:
     return DataLoader(
         dataset,
         batch_size=cfg.batch_size,
-        shuffle=False,
+        sampler=DistributedSampler(dataset, world_size, rank, shuffle=False),
         collate_fn=data.padded_collate_packed if packed else data.padded_collate_sft,
     )
 
-# %% ../../nbs/71_training_utils.ipynb #22515e9a
+# %% ../../nbs/71_training_utils.ipynb #627b83a3
 class JsonlLogger:
     "Append one JSON object per `log` call to `log_dir/filename`, flushed immediately."
 
@@ -240,7 +263,7 @@ def read_jsonl(path: Union[str, Path]) -> list[dict]:
         json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()
     ]
 
-# %% ../../nbs/71_training_utils.ipynb #37ced8a7
+# %% ../../nbs/71_training_utils.ipynb #eff39ab7
 def training_schedule(
     cfg: Any, num_batches: int, optimizer: torch.optim.Optimizer
 ) -> tuple[int, int, int, Any]:
@@ -274,16 +297,10 @@ def training_schedule(
     )
     return accumulation, steps_per_epoch, total_steps, lr_scheduler
 
-# %% ../../nbs/71_training_utils.ipynb #569af6ce
-def capture_rng_state(epoch_generator_state: torch.Tensor) -> dict[str, Any]:
-    """Python's and torch's random states now, and the data generator's state at the
-    start of the current epoch.
-    """
-    state = {
-        "python": random.getstate(),
-        "torch": torch.get_rng_state(),
-        "generator": epoch_generator_state,
-    }
+# %% ../../nbs/71_training_utils.ipynb #46fbe8db
+def capture_rng_state() -> dict[str, Any]:
+    "Python's and torch's (and CUDA's) random states now."
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -297,7 +314,7 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
-# %% ../../nbs/71_training_utils.ipynb #46380661
+# %% ../../nbs/71_training_utils.ipynb #f48a9a4f
 def latest_step_checkpoint(output_dir: Union[str, Path]) -> Optional[Path]:
     """The newest complete `step_N` folder (one with recipe_state.pt) under
     `output_dir`, or None.
@@ -328,7 +345,7 @@ def prune_step_checkpoints(output_dir: Union[str, Path], keep: int) -> None:
     for old in folders[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
 
-# %% ../../nbs/71_training_utils.ipynb #6b80de96
+# %% ../../nbs/71_training_utils.ipynb #0fb91199
 def resume_state(
     cfg: Any, model: nn.Module, adapters_only: bool = False
 ) -> Optional[dict[str, Any]]:
@@ -369,14 +386,13 @@ def _load_adapter_weights(model: nn.Module, weights: dict, folder: Path) -> None
             f"(unexpected {unexpected[:3]}); check the LoRA options."
         )
 
-# %% ../../nbs/71_training_utils.ipynb #6c2bd7d1
+# %% ../../nbs/71_training_utils.ipynb #43f7ee8f
 def make_recipe_state(
     optimizer: torch.optim.Optimizer,
     lr_scheduler: Any,
     epoch: int,
     steps_into_epoch: int,
     step: int,
-    epoch_generator_state: torch.Tensor,
 ) -> dict[str, Any]:
     "Everything besides the weights that an exact resume needs (see above)."
     return {
@@ -385,7 +401,7 @@ def make_recipe_state(
         "epoch": epoch,
         "steps_into_epoch": steps_into_epoch,
         "step": step,
-        "rng": capture_rng_state(epoch_generator_state),
+        "rng": capture_rng_state(),
     }
 
 
@@ -399,25 +415,32 @@ def restore_training_state(
     if lr_scheduler is not None and state.get("lr_scheduler") is not None:
         lr_scheduler.load_state_dict(state["lr_scheduler"])
 
-# %% ../../nbs/71_training_utils.ipynb #75208f18
+# %% ../../nbs/71_training_utils.ipynb #789c2a5f
+class ResumePosition(NamedTuple):
+    "Where a loop continues; all zeros (and no random states) for a fresh run."
+
+    epoch: int = 0
+    skip: int = 0  # optimizer steps of `epoch` already trained
+    step: int = 0  # the global step of the last trained step
+    rng: Optional[dict] = None  # random states to restore before the next step
+
+
 def resume_position(
     state: Optional[dict[str, Any]],
     optimizer: torch.optim.Optimizer,
     lr_scheduler: Any,
-    generator: torch.Generator,
     log_path: Union[str, Path],
-) -> tuple[int, int, int, Optional[dict]]:
-    """Where a loop continues: (epoch, optimizer steps to skip in it, global step,
-    random states to restore before the next step) — (0, 0, 0, None) for a fresh run.
-    Restores optimizer and scheduler, drops log lines after the checkpoint's step and
-    rewinds the data generator to the start of the checkpoint's epoch.
+) -> ResumePosition:
+    """Where a loop continues after the recipe state `state` (None: a fresh run).
+    Restores optimizer and scheduler and drops log lines after the checkpoint's step.
     """
     if state is None:
-        return 0, 0, 0, None
+        return ResumePosition()
     restore_training_state(state, optimizer, lr_scheduler)
     truncate_log(log_path, state["step"])
-    generator.set_state(state["rng"]["generator"])
-    return state["epoch"], state["steps_into_epoch"], state["step"], state["rng"]
+    return ResumePosition(
+        state["epoch"], state["steps_into_epoch"], state["step"], state["rng"]
+    )
 
 
 def truncate_log(path: Union[str, Path], last_step: int) -> None:
@@ -433,7 +456,41 @@ def truncate_log(path: Union[str, Path], last_step: int) -> None:
         ]
         path.write_text("".join(line + "\n" for line in kept))
 
-# %% ../../nbs/71_training_utils.ipynb #44a05d3e
+# %% ../../nbs/71_training_utils.ipynb #50c99e29
+def _to_device(batch: Any, device: torch.device) -> Any:
+    "A batch (a tensor, a dict or a tuple of tensors) on `device`."
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, dict):
+        return {k: v.to(device) for k, v in batch.items()}
+    return tuple(t.to(device) for t in batch)
+
+
+def resumable_batches(
+    loader: Any,
+    device: torch.device,
+    epochs: int,
+    steps_per_epoch: int,
+    accumulation: int,
+    start: ResumePosition = ResumePosition(),
+) -> Iterator[tuple[int, int, list]]:
+    """(epoch, step index in the epoch, micro-batches on `device`) for every optimizer
+    step from `start` on.
+    """
+    rng = start.rng
+    for epoch in range(start.epoch, epochs):
+        loader.sampler.set_epoch(epoch)
+        batches = iter(loader)
+        for i in range(steps_per_epoch):
+            micro = [_to_device(next(batches), device) for _ in range(accumulation)]
+            if epoch == start.epoch and i < start.skip:
+                continue  # trained before the resume
+            if rng is not None:
+                restore_rng_state(rng)
+                rng = None
+            yield epoch, i, micro
+
+# %% ../../nbs/71_training_utils.ipynb #658d4897
 def shift_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
     "Labels for next-token prediction: labels[:, 1:] followed by one ignored position."
     return torch.cat(
@@ -461,82 +518,124 @@ def summed_cross_entropy(
         reduction="sum",
     )
 
-# %% ../../nbs/71_training_utils.ipynb #4ed75d58
-def train_step(
+# %% ../../nbs/71_training_utils.ipynb #76921e3c
+def build_loss(cfg: Any, model: nn.Module) -> nn.Module:
+    """The config's `loss` component; a chunked loss makes the model return its logits
+    in `num_output_chunks` chunks.
+    """
+    import torchtune_lit.config as config
+
+    if not cfg.get("loss"):
+        raise ValueError(
+            "the config has no loss; add one, e.g. loss: {_component_: "
+            "torchtune_lit.modules.loss.CEWithChunkedOutputLoss}"
+        )
+    loss_fn = config.instantiate(cfg.loss)
+    chunks = getattr(loss_fn, "num_output_chunks", 0)
+    if chunks:
+        model.set_num_output_chunks(chunks)
+    return loss_fn
+
+# %% ../../nbs/71_training_utils.ipynb #553b0cf2
+def _mean_cross_entropy(
+    logits: Union[torch.Tensor, list[torch.Tensor]], labels: torch.Tensor
+) -> torch.Tensor:
+    "The default loss: mean cross-entropy over trained positions, in fp32."
+    tokens = (labels != -100).sum().clamp(min=1)
+    if isinstance(logits, list):  # chunks along the sequence
+        return summed_cross_entropy(logits, labels) / tokens
+    return F.cross_entropy(logits.float(), labels, reduction="sum") / tokens
+
+
+def forward_loss(
+    model: nn.Module, loss_fn: nn.Module, batch: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, int]:
+    """(the loss summed over the micro-batch's trained tokens, their number): forward
+    `batch` (tokens, labels, optional mask and input_pos), then `loss_fn`.
+    """
+    labels = shift_labels(batch["labels"])
+    kwargs = {k: batch[k] for k in ("mask", "input_pos") if k in batch}
+    logits = model(batch["tokens"], **kwargs)
+    if not isinstance(logits, list):  # an unchunked loss: one row per position
+        logits, labels = logits.flatten(0, 1), labels.flatten()
+    tokens = int((labels != -100).sum())
+    if tokens == 0:
+        chunks = logits if isinstance(logits, list) else [logits]
+        return sum(c.sum() for c in chunks) * 0.0, 0
+    return loss_fn(logits, labels) * tokens, tokens
+
+# %% ../../nbs/71_training_utils.ipynb #a1047b96
+def optimizer_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
-    micro_batches: list[dict[str, torch.Tensor]],
     step: int,
+    loss_sum: float,
+    num_tokens: int,
+    started: float,
     clip_grad_norm: Optional[float] = None,
     lr_scheduler: Any = None,
+    world_size: int = 1,
 ) -> dict[str, float]:
-    """One optimizer step over `micro_batches` (dicts of tokens/labels and optional
-    mask/input_pos); returns its metrics.
+    """Scale the accumulated gradients to the token mean, clip, step; the metrics of
+    the step that began at `time.perf_counter()` = `started`.
     """
-    start = time.perf_counter()
-    loss_sum, num_tokens = 0.0, 0
-    for batch in micro_batches:
-        labels = shift_labels(batch["labels"])
-        kwargs = {k: batch[k] for k in ("mask", "input_pos") if k in batch}
-        loss = summed_cross_entropy(model(batch["tokens"], **kwargs), labels)
-        loss.backward()
-        loss_sum += loss.item()
-        num_tokens += int((labels != -100).sum())
+    if world_size > 1:
+        from torchtune_lit.training._distributed import all_reduce_sum
+
+        device = next(model.parameters()).device
+        loss_sum = all_reduce_sum(loss_sum, device)
+        num_tokens = int(all_reduce_sum(num_tokens, device))
     if num_tokens == 0:
         raise ValueError(
             f"step {step} has no trained token in any micro-batch: "
             "check the dataset's masking (train_on_input) and max_seq_len."
         )
     check_loss_is_finite(loss_sum / num_tokens, step)
-    scale_grads(model, 1.0 / num_tokens)
-    grad_norm = None
+    scale_grads(model, world_size / num_tokens)
+    metrics = {"step": step, "loss": loss_sum / num_tokens}
     if clip_grad_norm:
-        grad_norm = float(
-            torch.nn.utils.clip_grad_norm_(
-                [p for p in model.parameters() if p.requires_grad], clip_grad_norm
-            )
-        )
-    lr = optimizer.param_groups[0]["lr"]  # the rate this step uses
+        trained = [p for p in model.parameters() if p.requires_grad]
+        norm = torch.nn.utils.clip_grad_norm_(trained, clip_grad_norm)
+        # under FSDP the norm is a distributed tensor
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        metrics["grad_norm"] = float(norm)
+    metrics["lr"] = optimizer.param_groups[0]["lr"]  # the rate this step uses
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     if lr_scheduler is not None:
         lr_scheduler.step()
-    elapsed = time.perf_counter() - start
-    metrics = {
-        "step": step,
-        "loss": loss_sum / num_tokens,
-        "lr": lr,
-        "tokens": num_tokens,
-        "tokens_per_second": num_tokens / elapsed,
-    }
-    if grad_norm is not None:
-        metrics["grad_norm"] = grad_norm
+    metrics["tokens"] = num_tokens
+    metrics["tokens_per_second"] = num_tokens / (time.perf_counter() - started)
     return metrics
 
-# %% ../../nbs/71_training_utils.ipynb #569b6e7f
+# %% ../../nbs/71_training_utils.ipynb #370b5c74
 @torch.no_grad()
 def validation_loss(
     model: nn.Module,
     loader: Any,
     device: torch.device,
     max_batches: Optional[int] = None,
+    loss_fn: Optional[nn.Module] = None,
+    world_size: int = 1,
 ) -> float:
-    """Mean cross-entropy per trained token over (up to `max_batches` of) `loader`, in
-    eval mode.
+    """Mean loss per trained token over (up to `max_batches` of) `loader`, in eval
+    mode.
     """
+    loss_fn = loss_fn or _mean_cross_entropy
     was_training = model.training
     model.eval()
     loss_sum, tokens = 0.0, 0
     for i, batch in enumerate(loader):
         if max_batches is not None and i >= max_batches:
             break
-        labels = shift_labels(batch["labels"].to(device))
-        kwargs = {k: batch[k].to(device) for k in ("mask", "input_pos") if k in batch}
-        loss_sum += summed_cross_entropy(
-            model(batch["tokens"].to(device), **kwargs), labels
-        ).item()
-        tokens += int((labels != -100).sum())
+        loss, n = forward_loss(model, loss_fn, _to_device(batch, device))
+        loss_sum, tokens = loss_sum + loss.item(), tokens + n
     model.train(was_training)
+    if world_size > 1:
+        from torchtune_lit.training._distributed import all_reduce_sum
+
+        loss_sum = all_reduce_sum(loss_sum, device)
+        tokens = all_reduce_sum(tokens, device)
     if tokens == 0:
         raise ValueError(
             "the validation data has no trained token: check "
