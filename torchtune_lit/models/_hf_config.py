@@ -7,13 +7,13 @@ __all__ = ['SUPPORTED_MODEL_TYPES', 'read_hf_config', 'rope_from_hf_config', 'bu
 
 # %% ../../nbs/31_hf_config.ipynb #d5cb5620
 import json
-import math
 from pathlib import Path
 from typing import Any, Union
 
 from torch import nn
 
 from ._decoder_builder import build_decoder
+from ._families import MODEL_FAMILIES
 from torchtune_lit.modules.position_embeddings import (
     Llama3ScaledRoPE,
     RotaryPositionalEmbeddings,
@@ -21,9 +21,7 @@ from torchtune_lit.modules.position_embeddings import (
 from ..modules.transformer import TransformerDecoder
 
 # %% ../../nbs/31_hf_config.ipynb #6562b997
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gemma2")
-# transformers' config defaults
-_TIED_BY_DEFAULT = {"llama": False, "mistral": False, "qwen2": False, "gemma2": True}
+SUPPORTED_MODEL_TYPES = tuple(MODEL_FAMILIES)
 
 
 def read_hf_config(path_or_dict: Union[str, Path, dict]) -> dict[str, Any]:
@@ -72,50 +70,6 @@ def rope_from_hf_config(
         "(supported: 'default', 'llama3')."
     )
 
-# %% ../../nbs/31_hf_config.ipynb #9212b20d
-def _family_settings(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
-    "build_decoder's family switches for this config."
-    layers = cfg["num_hidden_layers"]
-    if model_type == "gemma2":
-        layer_types = cfg.get("layer_types") or [
-            "sliding_attention" if i % 2 == 0 else "full_attention"
-            for i in range(layers)
-        ]
-        return dict(
-            norm="gemma",
-            post_norms=True,
-            mlp_activation=nn.GELU(approximate="tanh"),
-            attn_scale=cfg["query_pre_attn_scalar"] ** -0.5,
-            attn_softcapping=cfg.get("attn_logit_softcapping"),
-            final_logit_softcapping=cfg.get("final_logit_softcapping"),
-            embed_scale=math.sqrt(cfg["hidden_size"]),
-            sliding_window=cfg.get("sliding_window"),
-            sliding_layers=[
-                i for i, t in enumerate(layer_types) if t == "sliding_attention"
-            ],
-        )
-    activation = cfg.get("hidden_act", "silu")
-    if activation != "silu" or cfg.get("mlp_bias"):
-        raise NotImplementedError(
-            f"{model_type} with hidden_act={activation!r}, "
-            f"mlp_bias={cfg.get('mlp_bias')} is not supported (SwiGLU without MLP "
-            "bias is)."
-        )
-    if model_type == "qwen2":
-        if cfg.get("use_sliding_window"):
-            raise NotImplementedError(
-                "Qwen 2 with use_sliding_window=true is not supported yet."
-            )
-        return dict(attn_bias=True)
-    if model_type == "mistral":
-        return dict(sliding_window=cfg.get("sliding_window"))
-    if cfg.get("attention_bias"):
-        raise NotImplementedError(
-            "llama with attention_bias=true is not supported yet: transformers then "
-            "puts a bias on o_proj too, which build_decoder's attention does not have."
-        )
-    return {}
-
 # %% ../../nbs/31_hf_config.ipynb #cd5c7037
 def build_from_hf_config(path_or_dict: Union[str, Path, dict]) -> TransformerDecoder:
     """The decoder that a Hugging Face `config.json` (path, folder or dict) describes:
@@ -128,6 +82,7 @@ def build_from_hf_config(path_or_dict: Union[str, Path, dict]) -> TransformerDec
             f"model_type {model_type!r} is not supported; "
             f"supported: {SUPPORTED_MODEL_TYPES}."
         )
+    family = MODEL_FAMILIES[model_type]
     num_heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
     max_seq_len = cfg["max_position_embeddings"]
@@ -142,9 +97,7 @@ def build_from_hf_config(path_or_dict: Union[str, Path, dict]) -> TransformerDec
         head_dim=head_dim,
         norm_eps=cfg.get("rms_norm_eps", 1e-6),
         attn_dropout=cfg.get("attention_dropout", 0.0),
-        tie_word_embeddings=cfg.get(
-            "tie_word_embeddings", _TIED_BY_DEFAULT[model_type]
-        ),
+        tie_word_embeddings=cfg.get("tie_word_embeddings", family.tied_by_default),
         rope=rope_from_hf_config(cfg, head_dim, max_seq_len),
-        **_family_settings(cfg, model_type),
+        **family.decoder_settings(cfg),
     )

@@ -12,6 +12,8 @@ from typing import Optional
 
 import torch
 
+from ._families import MODEL_FAMILIES
+
 # %% ../../nbs/30_convert_weights.ipynb #c845a16e
 def permute_hf_to_meta(t: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
     """Reorder the rows of a q/k projection weight [heads*head_dim, in] or bias
@@ -35,37 +37,8 @@ def permute_meta_to_hf(t: torch.Tensor, num_heads: int, head_dim: int) -> torch.
     )
 
 # %% ../../nbs/30_convert_weights.ipynb #00b06ff7
-_COMMON = {
-    "model.embed_tokens.weight": "tok_embeddings.weight",
-    "model.norm.weight": "norm.scale",
-    "lm_head.weight": "output.weight",
-    "model.layers.{}.self_attn.q_proj.weight": "layers.{}.attn.q_proj.weight",
-    "model.layers.{}.self_attn.q_proj.bias": "layers.{}.attn.q_proj.bias",
-    "model.layers.{}.self_attn.k_proj.weight": "layers.{}.attn.k_proj.weight",
-    "model.layers.{}.self_attn.k_proj.bias": "layers.{}.attn.k_proj.bias",
-    "model.layers.{}.self_attn.v_proj.weight": "layers.{}.attn.v_proj.weight",
-    "model.layers.{}.self_attn.v_proj.bias": "layers.{}.attn.v_proj.bias",
-    "model.layers.{}.self_attn.o_proj.weight": "layers.{}.attn.output_proj.weight",
-    "model.layers.{}.mlp.gate_proj.weight": "layers.{}.mlp.w1.weight",
-    "model.layers.{}.mlp.up_proj.weight": "layers.{}.mlp.w3.weight",
-    "model.layers.{}.mlp.down_proj.weight": "layers.{}.mlp.w2.weight",
-    "model.layers.{}.input_layernorm.weight": "layers.{}.sa_norm.scale",
-}
-KEY_MAPS = {
-    "llama": {
-        **_COMMON,
-        "model.layers.{}.post_attention_layernorm.weight": "layers.{}.mlp_norm.scale",
-    },
-    "gemma2": {
-        **_COMMON,
-        "model.layers.{}.post_attention_layernorm.weight": "layers.{}.sa_scale.scale",
-        "model.layers.{}.pre_feedforward_layernorm.weight": "layers.{}.mlp_norm.scale",
-        "model.layers.{}.post_feedforward_layernorm.weight": (
-            "layers.{}.mlp_scale.scale"
-        ),
-    },
-}
-KEY_MAPS["qwen2"] = KEY_MAPS["mistral"] = KEY_MAPS["llama"]
+# model_type -> {Hugging Face key: ours}, from each family's declaration
+KEY_MAPS = {model_type: family.key_map for model_type, family in MODEL_FAMILIES.items()}
 
 # %% ../../nbs/30_convert_weights.ipynb #788d2388
 _IGNORED_HF_KEYS = re.compile(r".*rotary_emb\.inv_freq$")

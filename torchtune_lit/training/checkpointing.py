@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..modules.low_precision.nf4 import is_nf4
+from ..models._families import MODEL_FAMILIES
 from torchtune_lit.models.convert_weights import (
     hf_to_tune,
     tune_to_hf,
@@ -35,13 +36,9 @@ class CheckpointError(ValueError):
 
 # torchtune's model_type names -> the Hugging Face config.json model_type they load
 MODEL_TYPES = {
-    "LLAMA3": "llama",
-    "LLAMA3_1": "llama",
-    "LLAMA3_2": "llama",
-    "QWEN2": "qwen2",
-    "QWEN2_5": "qwen2",
-    "MISTRAL": "mistral",
-    "GEMMA2": "gemma2",
+    name: family.hf_model_type
+    for family in MODEL_FAMILIES.values()
+    for name in family.tune_model_types
 }
 
 
@@ -181,7 +178,7 @@ def _load_checkpoint(
         head_dim=cfg.get("head_dim"),
         model_type=self.hf_model_type,
         tie_word_embeddings=cfg.get(
-            "tie_word_embeddings", self.hf_model_type == "gemma2"
+            "tie_word_embeddings", MODEL_FAMILIES[self.hf_model_type].tied_by_default
         ),
     )
     return {"model": converted}
@@ -372,7 +369,9 @@ def _write_checkpoint_files(
                 "state_dict has no 'model' entry to save (pass "
                 "adapter_only=True to save adapters only)."
             )
-        tied = cfg.get("tie_word_embeddings", self.hf_model_type == "gemma2")
+        tied = cfg.get(
+            "tie_word_embeddings", MODEL_FAMILIES[self.hf_model_type].tied_by_default
+        )
         write_hf_weights(
             tune_to_hf(state_dict["model"], tie_word_embeddings=tied, **dims),
             tmp,

@@ -19,6 +19,7 @@ from omegaconf import DictConfig
 
 import torchtune_lit.config as config
 from ..data._messages import CROSS_ENTROPY_IGNORE_IDX
+from ..models._families import MODEL_FAMILIES
 
 # %% ../../nbs/74_preflight.ipynb #00f50cf3
 def _finding(level: str, message: str, **numbers: Any) -> dict[str, Any]:
@@ -149,10 +150,10 @@ def _data_problems(
 # %% ../../nbs/74_preflight.ipynb #dad15731
 # the Hugging Face model_type(s) each chat format was trained into
 FORMAT_FAMILIES = {
-    "Llama3Format": ("llama",),
-    "ChatMLFormat": ("qwen2",),
-    "GemmaFormat": ("gemma", "gemma2"),
-    "MistralFormat": ("mistral",),
+    family.chat_format: tuple(
+        t for t, f in MODEL_FAMILIES.items() if f.chat_format == family.chat_format
+    )
+    for family in MODEL_FAMILIES.values()
 }
 
 
