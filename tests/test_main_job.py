@@ -1,7 +1,7 @@
 """The README's main job, end to end: LoRA-fine-tune the shipped tiny base on the column-type task and measure the
 held-out accuracy before and after, through the installed `tunelit` command (about a minute and a half on two
 cores). The threshold is the issue's: >= 90 % exact match on the evaluation split, whose headers training never saw
-(seeds 0-2 measured 94.8-97.9 %; one seed runs here)."""
+(seeds 0-2 measured 91.7-94.8 %; one seed runs here)."""
 import json
 import subprocess
 import sys
