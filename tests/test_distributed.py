@@ -1,4 +1,5 @@
-"""FSDP2 under torchrun on CPU (Gloo): two processes at batch 2 train exactly like one process at batch 4."""
+"""FSDP2 under torchrun on CPU (Gloo): two processes at batch 2 train exactly like one process at batch 4, with
+shuffling on (both read the data in DistributedSampler order)."""
 import json
 import subprocess
 import sys
@@ -8,7 +9,7 @@ import torch
 import transformers
 
 TUNELIT = str(Path(sys.executable).parent / "tunelit")
-COMMON = ["epochs=1", "max_steps_per_epoch=6", "shuffle=false", "progress_bar=false", "~lr_scheduler",
+COMMON = ["epochs=1", "max_steps_per_epoch=6", "shuffle=true", "progress_bar=false", "~lr_scheduler",
           "run_val_every_n_steps=3", "max_validation_batches=null"]
 
 

@@ -7,7 +7,7 @@ __all__ = ['SFTRun', 'setup_sft', 'save_step_checkpoint', 'sft_loop', 'setup_pro
            'load_sharded_lora_model', 'preflight_printer', 'ShardedRun', 'setup_sharded', 'resume_sharded',
            'save_sharded_step', 'report_step', 'sharded_loop']
 
-# %% ../../nbs/78_loops.ipynb #768f3ecf
+# %% ../../nbs/78_loops.ipynb #8209baa0
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +26,7 @@ import torchtune_lit.training._utils as utils
 from . import preflight, runs
 from .metric_logging import get_memory_stats
 
-# %% ../../nbs/78_loops.ipynb #4cb99392
+# %% ../../nbs/78_loops.ipynb #4ff110c3
 @dataclass
 class SFTRun:
     "What the single-device loop uses, built by `setup_sft`."
@@ -45,7 +45,7 @@ class SFTRun:
     steps_per_epoch: int
     total_steps: int
 
-# %% ../../nbs/78_loops.ipynb #9a0a3536
+# %% ../../nbs/78_loops.ipynb #3badbf3c
 def setup_sft(cfg: DictConfig, load_model: Callable) -> SFTRun:
     """Everything before the first step of a fine-tune described by `cfg`, the model
     loaded by `load_model(cfg, checkpointer, device, dtype)`.
@@ -88,7 +88,7 @@ def setup_sft(cfg: DictConfig, load_model: Callable) -> SFTRun:
         total_steps=total_steps,
     )
 
-# %% ../../nbs/78_loops.ipynb #e13e75ac
+# %% ../../nbs/78_loops.ipynb #effb940a
 def save_step_checkpoint(
     run: Any, step_weights: Callable, epoch: int, steps_into_epoch: int, step: int
 ) -> None:
@@ -113,7 +113,7 @@ def save_step_checkpoint(
         run.output_dir, run.cfg.get("keep_last_n_checkpoints", 2)
     )
 
-# %% ../../nbs/78_loops.ipynb #ae89c353
+# %% ../../nbs/78_loops.ipynb #c11bf9c2
 def sft_loop(
     run: SFTRun,
     recipe: str,
@@ -170,7 +170,7 @@ def sft_loop(
     print(tracker.close(stopped))
     return tracker.history
 
-# %% ../../nbs/78_loops.ipynb #c8a0d262
+# %% ../../nbs/78_loops.ipynb #b199e0a4
 def setup_process(cfg: DictConfig) -> tuple:
     """Join the process group and seed; rank 0 creates `output_dir` and saves the
     config there. Returns (rank, world_size, device, dtype, output_dir).
@@ -185,7 +185,7 @@ def setup_process(cfg: DictConfig) -> tuple:
         OmegaConf.save(cfg, output_dir / "config.yaml")
     return rank, world_size, device, dtype, output_dir
 
-# %% ../../nbs/78_loops.ipynb #faf1ddd7
+# %% ../../nbs/78_loops.ipynb #8deabac6
 def _shard(cfg: DictConfig, model: torch.nn.Module) -> torch.nn.Module:
     "Activation checkpointing and compilation (before sharding, as FSDP2 expects)."
     if cfg.get("enable_activation_checkpointing", False):
@@ -230,7 +230,7 @@ def load_sharded_model(
     del full_state
     return model
 
-# %% ../../nbs/78_loops.ipynb #a2fa472c
+# %% ../../nbs/78_loops.ipynb #5699ba33
 def load_sharded_lora_model(
     cfg: DictConfig,
     checkpointer: Any,
@@ -265,7 +265,7 @@ def load_sharded_lora_model(
     distributed.load_from_full_state_dict(model, full_state, device)
     return model
 
-# %% ../../nbs/78_loops.ipynb #69167288
+# %% ../../nbs/78_loops.ipynb #9c327dab
 def preflight_printer(
     cfg: DictConfig, tokenizer: Any, dataset: Any, output_dir: Path, world_size: int
 ) -> Callable:
@@ -290,7 +290,7 @@ def preflight_printer(
 
     return inspect
 
-# %% ../../nbs/78_loops.ipynb #9a9b6878
+# %% ../../nbs/78_loops.ipynb #4a82f8b0
 @dataclass
 class ShardedRun:
     "What the sharded loop uses, built by `setup_sharded` on every rank."
@@ -346,7 +346,7 @@ def setup_sharded(cfg: DictConfig, load_model: Callable) -> ShardedRun:
         total_steps=total_steps,
     )
 
-# %% ../../nbs/78_loops.ipynb #c8b2cd9e
+# %% ../../nbs/78_loops.ipynb #f7385a26
 def resume_sharded(run: ShardedRun) -> utils.ResumePosition:
     """With resume_from_checkpoint: read the newest sharded step checkpoint back (each
     rank its own shards) and return where the loop continues; a fresh start otherwise.
@@ -392,7 +392,7 @@ def save_sharded_step(
         keep = run.cfg.get("keep_last_n_checkpoints", 2)
         utils.prune_step_checkpoints(run.output_dir, keep)
 
-# %% ../../nbs/78_loops.ipynb #0be4d5c3
+# %% ../../nbs/78_loops.ipynb #372f7482
 def report_step(metrics: dict, epoch: int, logger, history: list, progress) -> None:
     "Rank 0's record of one step: log line, history, progress bar or printed line."
     logger.log(epoch=epoch, **metrics)
