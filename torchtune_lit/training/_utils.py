@@ -10,7 +10,7 @@ __all__ = ['DTYPES', 'RUN_COUNTS', 'get_device', 'get_dtype', 'set_seed', 'scale
            'restore_training_state', 'ResumePosition', 'resume_position', 'truncate_log', 'resumable_batches',
            'shift_labels', 'summed_cross_entropy', 'build_loss', 'forward_loss', 'optimizer_step', 'validation_loss']
 
-# %% ../../nbs/71_training_utils.ipynb #5e5d9d9e
+# %% ../../nbs/71_training_utils.ipynb #5727a918
 import json
 import math
 import random
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# %% ../../nbs/71_training_utils.ipynb #e1e4e924
+# %% ../../nbs/71_training_utils.ipynb #e62cf6c6
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -64,7 +64,7 @@ def get_dtype(name: str = "fp32", device: Optional[torch.device] = None) -> torc
         return torch.float32
     return DTYPES[name]
 
-# %% ../../nbs/71_training_utils.ipynb #578966cb
+# %% ../../nbs/71_training_utils.ipynb #63afc8fa
 def set_seed(seed: int) -> torch.Generator:
     """Seed Python and torch; return a torch Generator seeded the same way (for code
     that draws its own samples).
@@ -90,7 +90,7 @@ def check_loss_is_finite(loss: float, step: int) -> None:
             "for empty or corrupt samples."
         )
 
-# %% ../../nbs/71_training_utils.ipynb #753b51df
+# %% ../../nbs/71_training_utils.ipynb #b016ee59
 RUN_COUNTS = (  # whole numbers >= 1, or null where the recipe has a default
     "max_steps_per_epoch",
     "gradient_accumulation_steps",
@@ -142,7 +142,7 @@ def check_run_values(cfg: Any) -> None:
             f"optimizer.lr must be >= 0, got {lr!r}: it would train uphill."
         )
 
-# %% ../../nbs/71_training_utils.ipynb #ff6e6d9b
+# %% ../../nbs/71_training_utils.ipynb #71e71969
 def setup_run(cfg: Any) -> tuple[torch.device, torch.dtype, Path]:
     """(device, dtype, output_dir) for a recipe config, with the seed set. Claims
     output_dir for this run (another run's folder is refused unless resumed or
@@ -166,7 +166,7 @@ def setup_run(cfg: Any) -> tuple[torch.device, torch.dtype, Path]:
     OmegaConf.save(cfg, saved)
     return device, dtype, output_dir
 
-# %% ../../nbs/71_training_utils.ipynb #6762c1fa
+# %% ../../nbs/71_training_utils.ipynb #c1126fe0
 def sampled_loader(
     dataset: Any, cfg: Any, collate_fn: Any, rank: int = 0, world_size: int = 1
 ) -> "DataLoader":
@@ -198,7 +198,7 @@ def sampled_loader(
         )
     return loader
 
-# %% ../../nbs/71_training_utils.ipynb #de2320cd
+# %% ../../nbs/71_training_utils.ipynb #c2e6b126
 def build_dataloader(
     cfg: Any, tokenizer: Any, rank: int = 0, world_size: int = 1
 ) -> "DataLoader":
@@ -240,7 +240,7 @@ def build_validation_loader(
         collate_fn=data.padded_collate_packed if packed else data.padded_collate_sft,
     )
 
-# %% ../../nbs/71_training_utils.ipynb #1bc44a9b
+# %% ../../nbs/71_training_utils.ipynb #d37908a2
 class JsonlLogger:
     "Append one JSON object per `log` call to `log_dir/filename`, flushed immediately."
 
@@ -263,7 +263,7 @@ def read_jsonl(path: Union[str, Path]) -> list[dict]:
         json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()
     ]
 
-# %% ../../nbs/71_training_utils.ipynb #b6f91982
+# %% ../../nbs/71_training_utils.ipynb #2bce9435
 def training_schedule(
     cfg: Any, num_batches: int, optimizer: torch.optim.Optimizer
 ) -> tuple[int, int, int, Any]:
@@ -297,7 +297,7 @@ def training_schedule(
     )
     return accumulation, steps_per_epoch, total_steps, lr_scheduler
 
-# %% ../../nbs/71_training_utils.ipynb #f2bf7aa4
+# %% ../../nbs/71_training_utils.ipynb #e0a572ba
 def capture_rng_state() -> dict[str, Any]:
     "Python's and torch's (and CUDA's) random states now."
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}
@@ -314,7 +314,7 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
-# %% ../../nbs/71_training_utils.ipynb #f4560f79
+# %% ../../nbs/71_training_utils.ipynb #c441a243
 def latest_step_checkpoint(output_dir: Union[str, Path]) -> Optional[Path]:
     """The newest complete `step_N` folder (one with recipe_state.pt) under
     `output_dir`, or None.
@@ -345,7 +345,7 @@ def prune_step_checkpoints(output_dir: Union[str, Path], keep: int) -> None:
     for old in folders[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
 
-# %% ../../nbs/71_training_utils.ipynb #a485ed36
+# %% ../../nbs/71_training_utils.ipynb #83282776
 def resume_state(
     cfg: Any, model: nn.Module, adapters_only: bool = False
 ) -> Optional[dict[str, Any]]:
@@ -386,7 +386,7 @@ def _load_adapter_weights(model: nn.Module, weights: dict, folder: Path) -> None
             f"(unexpected {unexpected[:3]}); check the LoRA options."
         )
 
-# %% ../../nbs/71_training_utils.ipynb #5fee0db6
+# %% ../../nbs/71_training_utils.ipynb #72990592
 def make_recipe_state(
     optimizer: torch.optim.Optimizer,
     lr_scheduler: Any,
@@ -415,7 +415,7 @@ def restore_training_state(
     if lr_scheduler is not None and state.get("lr_scheduler") is not None:
         lr_scheduler.load_state_dict(state["lr_scheduler"])
 
-# %% ../../nbs/71_training_utils.ipynb #e81a2118
+# %% ../../nbs/71_training_utils.ipynb #d97333cd
 class ResumePosition(NamedTuple):
     "Where a loop continues; all zeros (and no random states) for a fresh run."
 
@@ -456,7 +456,7 @@ def truncate_log(path: Union[str, Path], last_step: int) -> None:
         ]
         path.write_text("".join(line + "\n" for line in kept))
 
-# %% ../../nbs/71_training_utils.ipynb #6173e8f1
+# %% ../../nbs/71_training_utils.ipynb #9e843905
 def _to_device(batch: Any, device: torch.device) -> Any:
     "A batch (a tensor, a dict or a tuple of tensors) on `device`."
     if isinstance(batch, torch.Tensor):
@@ -490,7 +490,7 @@ def resumable_batches(
                 rng = None
             yield epoch, i, micro
 
-# %% ../../nbs/71_training_utils.ipynb #89ae0342
+# %% ../../nbs/71_training_utils.ipynb #42f1f832
 def shift_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
     "Labels for next-token prediction: labels[:, 1:] followed by one ignored position."
     return torch.cat(
@@ -518,7 +518,7 @@ def summed_cross_entropy(
         reduction="sum",
     )
 
-# %% ../../nbs/71_training_utils.ipynb #d041807b
+# %% ../../nbs/71_training_utils.ipynb #8bedfcc7
 def build_loss(cfg: Any, model: nn.Module) -> nn.Module:
     """The config's `loss` component; a chunked loss makes the model return its logits
     in `num_output_chunks` chunks.
@@ -532,11 +532,17 @@ def build_loss(cfg: Any, model: nn.Module) -> nn.Module:
         )
     loss_fn = config.instantiate(cfg.loss)
     chunks = getattr(loss_fn, "num_output_chunks", 0)
+    if chunks and not hasattr(model, "set_num_output_chunks"):
+        raise ValueError(
+            f"{type(loss_fn).__name__} needs logits in {chunks} chunks, but "
+            f"{type(model).__name__} has no set_num_output_chunks; use "
+            "loss._component_=torch.nn.CrossEntropyLoss for this model."
+        )
     if chunks:
         model.set_num_output_chunks(chunks)
     return loss_fn
 
-# %% ../../nbs/71_training_utils.ipynb #29bf8bd6
+# %% ../../nbs/71_training_utils.ipynb #ba7743de
 def _mean_cross_entropy(
     logits: Union[torch.Tensor, list[torch.Tensor]], labels: torch.Tensor
 ) -> torch.Tensor:
@@ -564,7 +570,7 @@ def forward_loss(
         return sum(c.sum() for c in chunks) * 0.0, 0
     return loss_fn(logits, labels) * tokens, tokens
 
-# %% ../../nbs/71_training_utils.ipynb #bd59c145
+# %% ../../nbs/71_training_utils.ipynb #0f223a69
 def optimizer_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -608,7 +614,7 @@ def optimizer_step(
     metrics["tokens_per_second"] = num_tokens / (time.perf_counter() - started)
     return metrics
 
-# %% ../../nbs/71_training_utils.ipynb #0593fab6
+# %% ../../nbs/71_training_utils.ipynb #6e7ed3c6
 @torch.no_grad()
 def validation_loss(
     model: nn.Module,
