@@ -5,16 +5,15 @@
 # %% auto #0
 __all__ = ['save_final_model', 'train', 'recipe_main']
 
-# %% ../../nbs/82_full_finetune_distributed.ipynb #8e3a0582
+# %% ../../nbs/82_full_finetune_distributed.ipynb #918f2792
 import sys
 
-import torch.distributed as dist
 from omegaconf import DictConfig
 
 import torchtune_lit.config as config
 import torchtune_lit.training as training
 
-# %% ../../nbs/82_full_finetune_distributed.ipynb #31193df8
+# %% ../../nbs/82_full_finetune_distributed.ipynb #050885eb
 def save_final_model(run: training.ShardedRun) -> None:
     """Gather the full weights on rank 0 (every rank takes part) and write them there in
     Hugging Face format.
@@ -30,13 +29,9 @@ def save_final_model(run: training.ShardedRun) -> None:
 def train(cfg: DictConfig) -> list[dict]:
     "Run the recipe on every rank; rank 0 logs and saves. Returns rank 0's metrics."
     run = training.setup_sharded(cfg, training.load_sharded_model)
-    history = training.sharded_loop(run)
-    save_final_model(run)
-    dist.barrier()
-    dist.destroy_process_group()
-    return history
+    return training.sharded_loop(run, save_final_model)
 
-# %% ../../nbs/82_full_finetune_distributed.ipynb #c8317587
+# %% ../../nbs/82_full_finetune_distributed.ipynb #d6d05de1
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
     """Entry point: `tunelit run --nproc_per_node N full_finetune_distributed --config
@@ -44,7 +39,7 @@ def recipe_main(cfg: DictConfig) -> None:
     """
     train(cfg)
 
-# %% ../../nbs/82_full_finetune_distributed.ipynb #ceb445b6
+# %% ../../nbs/82_full_finetune_distributed.ipynb #a19532bd
 #| eval: false
 if __name__ == "__main__":
     sys.exit(recipe_main())

@@ -6,7 +6,7 @@
 __all__ = ['load_teacher', 'check_same_vocabulary', 'kd_step', 'held_out_batches', 'kl_to_teacher', 'KDRun', 'setup',
            'student_weights', 'train_loop', 'save_student', 'train', 'recipe_main']
 
-# %% ../../nbs/85_knowledge_distillation_single_device.ipynb #6f9713c4
+# %% ../../nbs/85_knowledge_distillation_single_device.ipynb #cb9fe285
 import json
 import sys
 import time
@@ -16,13 +16,12 @@ from typing import Any, Optional
 
 import torch
 from omegaconf import DictConfig
-from tqdm.auto import tqdm
 
 import torchtune_lit.config as config
 import torchtune_lit.modules.loss as losses
 import torchtune_lit.training as training
 
-# %% ../../nbs/85_knowledge_distillation_single_device.ipynb #d150e356
+# %% ../../nbs/85_knowledge_distillation_single_device.ipynb #06aff250
 def load_teacher(
     cfg: DictConfig, device: torch.device, dtype: torch.dtype
 ) -> torch.nn.Module:
@@ -48,7 +47,7 @@ def check_same_vocabulary(student: torch.nn.Module, teacher: torch.nn.Module) ->
             "same tokenizer."
         )
 
-# %% ../../nbs/85_knowledge_distillation_single_device.ipynb #b40ae8b3
+# %% ../../nbs/85_knowledge_distillation_single_device.ipynb #585bb31e
 def kd_step(
     student,
     teacher,
@@ -104,7 +103,7 @@ def kd_step(
         "tokens_per_second": tokens / (time.perf_counter() - start),
     }
 
-# %% ../../nbs/85_knowledge_distillation_single_device.ipynb #7c6a73a4
+# %% ../../nbs/85_knowledge_distillation_single_device.ipynb #e52a4a71
 def held_out_batches(cfg: DictConfig, tokenizer, device: torch.device) -> list[dict]:
     """Up to `kl_eval_batches` batches of `kl_eval_dataset` (data the student does not
     train on), unshuffled.
@@ -143,7 +142,7 @@ def kl_to_teacher(student, teacher, batches: list[dict]) -> float:
     student.train(was_training)
     return total / max(tokens, 1)
 
-# %% ../../nbs/85_knowledge_distillation_single_device.ipynb #e79587b9
+# %% ../../nbs/85_knowledge_distillation_single_device.ipynb #da99c6c4
 @dataclass
 class KDRun:
     "What the distillation loop uses, built by `setup`."
@@ -165,7 +164,7 @@ class KDRun:
     total_steps: int
     kl_before: Optional[float] = None  # measured by the loop before its first step
 
-# %% ../../nbs/85_knowledge_distillation_single_device.ipynb #b9d386bc
+# %% ../../nbs/85_knowledge_distillation_single_device.ipynb #96918f94
 def setup(cfg: DictConfig) -> KDRun:
     "Everything before the first step of the distillation recipe described by `cfg`."
     device, dtype, output_dir = training.setup_run(cfg)
@@ -209,12 +208,12 @@ def setup(cfg: DictConfig) -> KDRun:
         total_steps=total_steps,
     )
 
-# %% ../../nbs/85_knowledge_distillation_single_device.ipynb #dfd21414
+# %% ../../nbs/85_knowledge_distillation_single_device.ipynb #035c9eb7
 def student_weights(run: KDRun) -> dict:
     "What a step checkpoint holds besides the recipe state."
     return {"model": run.student.state_dict(), "kl_before": run.kl_before}
 
-# %% ../../nbs/85_knowledge_distillation_single_device.ipynb #5eb60ef2
+# %% ../../nbs/85_knowledge_distillation_single_device.ipynb #bc309fb2
 def train_loop(run: KDRun) -> tuple[list[dict], float]:
     """Run the remaining steps; returns their metrics and the held-out KL before
     training.
@@ -230,13 +229,11 @@ def train_loop(run: KDRun) -> tuple[list[dict], float]:
         else kl_to_teacher(student, run.teacher, run.held_out)
     )
     val_every = cfg.get("run_val_every_n_steps", run.steps_per_epoch)
-    logger, history = training.JsonlLogger(run.output_dir), []
-    progress = tqdm(
-        total=run.total_steps,
-        initial=start.step,
-        desc="distil",
-        disable=not cfg.get("progress_bar", True),
-    )
+    shown = {"loss": ".3f", "kd_loss": ".3f"}
+    reporter = training.StepReporter(
+        run.output_dir, run.total_steps, start.step, "distil", shown,
+        cfg.get("progress_bar", True),
+    )  # fmt: skip
     batches = training.resumable_batches(
         run.loader, run.device, cfg.epochs, run.steps_per_epoch, run.accumulation, start
     )
@@ -251,18 +248,11 @@ def train_loop(run: KDRun) -> tuple[list[dict], float]:
             metrics["val_loss"] = training.validation_loss(
                 student, run.val_loader, run.device, max_batches
             )
-        logger.log(epoch=epoch, **metrics)
-        history.append(metrics)
-        progress.update(1)
-        progress.set_postfix(
-            loss=f"{metrics['loss']:.3f}", kd=f"{metrics['kd_loss']:.3f}"
-        )
+        reporter.report(epoch, metrics)
         training.save_step_checkpoint(run, student_weights, epoch, i + 1, step)
-    progress.close()
-    logger.close()
-    return history, kl_before
+    return reporter.close(), kl_before
 
-# %% ../../nbs/85_knowledge_distillation_single_device.ipynb #4a43d2e3
+# %% ../../nbs/85_knowledge_distillation_single_device.ipynb #58614733
 def save_student(run: KDRun, kl_before: float, kl_after: float) -> Path:
     """Write kl_to_teacher.json and the student (Hugging Face format); returns the
     folder.
@@ -292,7 +282,7 @@ def train(cfg: DictConfig) -> dict:
         "folder": folder,
     }
 
-# %% ../../nbs/85_knowledge_distillation_single_device.ipynb #39375d24
+# %% ../../nbs/85_knowledge_distillation_single_device.ipynb #ab2e37d8
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
     "Entry point: `tunelit run knowledge_distillation_single_device --config tiny/kd`."
@@ -304,7 +294,7 @@ def recipe_main(cfg: DictConfig) -> None:
         f"batches {result['kl_before']:.3f} -> {result['kl_after']:.3f}."
     )
 
-# %% ../../nbs/85_knowledge_distillation_single_device.ipynb #5c050c69
+# %% ../../nbs/85_knowledge_distillation_single_device.ipynb #a9ef9246
 #| eval: false
 if __name__ == "__main__":
     sys.exit(recipe_main())

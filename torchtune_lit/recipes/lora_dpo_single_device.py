@@ -6,7 +6,7 @@
 __all__ = ['dpo_step', 'validation_metrics', 'build_preference_loader', 'build_validation_loader', 'run_preflight', 'DPORun',
            'setup', 'adapter_weights', 'train_loop', 'save_final_outputs', 'train', 'recipe_main']
 
-# %% ../../nbs/84_lora_dpo_single_device.ipynb #c458e3d5
+# %% ../../nbs/84_lora_dpo_single_device.ipynb #b4e9fb5a
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +15,6 @@ from typing import Any, Optional
 import torch
 from omegaconf import DictConfig
 from torch.utils.data import DataLoader
-from tqdm.auto import tqdm
 
 import torchtune_lit.config as config
 import torchtune_lit.data as data
@@ -24,7 +23,7 @@ import torchtune_lit.rlhf as rlhf
 import torchtune_lit.rlhf.loss as preference_losses
 import torchtune_lit.training as training
 
-# %% ../../nbs/84_lora_dpo_single_device.ipynb #122be902
+# %% ../../nbs/84_lora_dpo_single_device.ipynb #964204c4
 def _pair_losses(
     model, loss_fn, batch
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -44,7 +43,7 @@ def _pair_losses(
         reference.rejected_logps,
     )
 
-# %% ../../nbs/84_lora_dpo_single_device.ipynb #0f647bc0
+# %% ../../nbs/84_lora_dpo_single_device.ipynb #1724a87c
 def dpo_step(
     model,
     loss_fn,
@@ -88,7 +87,7 @@ def dpo_step(
         "rewards/accuracy": (chosen_r > rejected_r).float().mean().item(),
     }
 
-# %% ../../nbs/84_lora_dpo_single_device.ipynb #b468af26
+# %% ../../nbs/84_lora_dpo_single_device.ipynb #7f12fa0e
 @torch.no_grad()
 def validation_metrics(model, loss_fn, loader, device, max_batches=None) -> dict:
     """DPO loss and reward accuracy over (up to `max_batches` of) held-out preference
@@ -111,7 +110,7 @@ def validation_metrics(model, loss_fn, loader, device, max_batches=None) -> dict
     model.train(was_training)
     return {"val_loss": loss_sum / pairs, "val_rewards/accuracy": correct / pairs}
 
-# %% ../../nbs/84_lora_dpo_single_device.ipynb #eeb8e07c
+# %% ../../nbs/84_lora_dpo_single_device.ipynb #2ac22b9a
 def build_preference_loader(cfg: DictConfig, tokenizer) -> DataLoader:
     """The training pairs in (seed, epoch) order, chosen rows first in each batch;
     `sanity_check` keeps only the first few pairs.
@@ -147,7 +146,7 @@ def run_preflight(cfg: DictConfig, model, tokenizer, dataset, output_dir) -> Non
         )
         training.preflight.report_and_check(report, output_dir)
 
-# %% ../../nbs/84_lora_dpo_single_device.ipynb #d3befde7
+# %% ../../nbs/84_lora_dpo_single_device.ipynb #e36e7d32
 @dataclass
 class DPORun:
     "What the DPO loop uses, built by `setup`."
@@ -201,13 +200,13 @@ def setup(cfg: DictConfig) -> DPORun:
         lora=peft.get_adapter_config(model),
     )
 
-# %% ../../nbs/84_lora_dpo_single_device.ipynb #66f843ec
+# %% ../../nbs/84_lora_dpo_single_device.ipynb #09c45d39
 def adapter_weights(run: DPORun) -> dict:
     "What a step checkpoint holds besides the recipe state: the adapter."
     adapter = peft.get_adapter_state_dict(run.model.state_dict())
     return {"adapter": adapter, "adapter_config": run.lora, "adapter_weights": adapter}
 
-# %% ../../nbs/84_lora_dpo_single_device.ipynb #3674b8cc
+# %% ../../nbs/84_lora_dpo_single_device.ipynb #c8c98233
 def train_loop(run: DPORun) -> list[dict]:
     "Run the remaining optimizer steps; return the metrics of each."
     cfg, model, optimizer = run.cfg, run.model, run.optimizer
@@ -216,13 +215,11 @@ def train_loop(run: DPORun) -> list[dict]:
     log_path = run.output_dir / "log.jsonl"
     start = training.resume_position(resumed, optimizer, run.lr_scheduler, log_path)
     val_every = cfg.get("run_val_every_n_steps", run.steps_per_epoch)
-    logger, history = training.JsonlLogger(run.output_dir), []
-    progress = tqdm(
-        total=run.total_steps,
-        initial=start.step,
-        desc="dpo",
-        disable=not cfg.get("progress_bar", True),
-    )
+    shown = {"loss": ".4f", "rewards/margin": ".3f"}
+    reporter = training.StepReporter(
+        run.output_dir, run.total_steps, start.step, "dpo", shown,
+        cfg.get("progress_bar", True),
+    )  # fmt: skip
     batches = training.resumable_batches(
         run.loader, run.device, cfg.epochs, run.steps_per_epoch, run.accumulation, start
     )
@@ -240,18 +237,11 @@ def train_loop(run: DPORun) -> list[dict]:
                     model, run.loss_fn, run.val_loader, run.device, max_batches
                 )
             )
-        logger.log(epoch=epoch, **metrics)
-        history.append(metrics)
-        progress.update(1)
-        progress.set_postfix(
-            loss=f"{metrics['loss']:.4f}", margin=f"{metrics['rewards/margin']:.3f}"
-        )
+        reporter.report(epoch, metrics)
         training.save_step_checkpoint(run, adapter_weights, epoch, i + 1, step)
-    progress.close()
-    logger.close()
-    return history
+    return reporter.close()
 
-# %% ../../nbs/84_lora_dpo_single_device.ipynb #5cd8ec3e
+# %% ../../nbs/84_lora_dpo_single_device.ipynb #348071d3
 def save_final_outputs(run: DPORun) -> Path:
     "Write the merged model and the PEFT adapter; returns the folder."
     state = run.model.state_dict()
@@ -279,7 +269,7 @@ def train(cfg: DictConfig) -> list[dict]:
     save_final_outputs(run)
     return history
 
-# %% ../../nbs/84_lora_dpo_single_device.ipynb #18934027
+# %% ../../nbs/84_lora_dpo_single_device.ipynb #4134dc30
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
     """Entry point: `tunelit run lora_dpo_single_device --config tiny/dpo [key=value
@@ -293,7 +283,7 @@ def recipe_main(cfg: DictConfig) -> None:
         f"accuracy {last['rewards/accuracy']:.2f}"
     )
 
-# %% ../../nbs/84_lora_dpo_single_device.ipynb #bb7ace96
+# %% ../../nbs/84_lora_dpo_single_device.ipynb #bd4b4de6
 #| eval: false
 if __name__ == "__main__":
     sys.exit(recipe_main())

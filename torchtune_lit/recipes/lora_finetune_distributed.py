@@ -5,17 +5,16 @@
 # %% auto #0
 __all__ = ['save_lora_outputs', 'train', 'recipe_main']
 
-# %% ../../nbs/83_lora_finetune_distributed.ipynb #40ea4002
+# %% ../../nbs/83_lora_finetune_distributed.ipynb #92d713c1
 import sys
 
-import torch.distributed as dist
 from omegaconf import DictConfig
 
 import torchtune_lit.config as config
 import torchtune_lit.modules.peft as peft
 import torchtune_lit.training as training
 
-# %% ../../nbs/83_lora_finetune_distributed.ipynb #7fd78227
+# %% ../../nbs/83_lora_finetune_distributed.ipynb #82999b33
 def save_lora_outputs(run: training.ShardedRun) -> None:
     """Gather the full state on rank 0 (every rank takes part) and write there the
     merged model (Hugging Face format) and the adapter (PEFT format).
@@ -39,7 +38,7 @@ def save_lora_outputs(run: training.ShardedRun) -> None:
             flush=True,
         )
 
-# %% ../../nbs/83_lora_finetune_distributed.ipynb #25f095c9
+# %% ../../nbs/83_lora_finetune_distributed.ipynb #f2b974e0
 def train(cfg: DictConfig) -> list[dict]:
     "Run the recipe on every rank; rank 0 logs and saves. Returns rank 0's metrics."
     run = training.setup_sharded(cfg, training.load_sharded_lora_model)
@@ -51,13 +50,9 @@ def train(cfg: DictConfig) -> list[dict]:
             "processes.",
             flush=True,
         )
-    history = training.sharded_loop(run)
-    save_lora_outputs(run)
-    dist.barrier()
-    dist.destroy_process_group()
-    return history
+    return training.sharded_loop(run, save_lora_outputs)
 
-# %% ../../nbs/83_lora_finetune_distributed.ipynb #04c25264
+# %% ../../nbs/83_lora_finetune_distributed.ipynb #1e5fec01
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
     """Entry point: `tunelit run --nproc_per_node N lora_finetune_distributed --config
@@ -65,7 +60,7 @@ def recipe_main(cfg: DictConfig) -> None:
     """
     train(cfg)
 
-# %% ../../nbs/83_lora_finetune_distributed.ipynb #5b5887c3
+# %% ../../nbs/83_lora_finetune_distributed.ipynb #a9d7677b
 #| eval: false
 if __name__ == "__main__":
     sys.exit(recipe_main())

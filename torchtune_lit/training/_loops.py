@@ -5,9 +5,9 @@
 # %% auto #0
 __all__ = ['SFTRun', 'setup_sft', 'save_step_checkpoint', 'sft_loop', 'setup_process', 'load_sharded_model',
            'load_sharded_lora_model', 'preflight_printer', 'ShardedRun', 'setup_sharded', 'resume_sharded',
-           'save_sharded_step', 'report_step', 'sharded_loop']
+           'save_sharded_step', 'StepReporter', 'sharded_loop']
 
-# %% ../../nbs/78_loops.ipynb #8209baa0
+# %% ../../nbs/78_loops.ipynb #3127d321
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +26,7 @@ import torchtune_lit.training._utils as utils
 from . import preflight, runs
 from .metric_logging import get_memory_stats
 
-# %% ../../nbs/78_loops.ipynb #4ff110c3
+# %% ../../nbs/78_loops.ipynb #481243ae
 @dataclass
 class SFTRun:
     "What the single-device loop uses, built by `setup_sft`."
@@ -45,7 +45,7 @@ class SFTRun:
     steps_per_epoch: int
     total_steps: int
 
-# %% ../../nbs/78_loops.ipynb #3badbf3c
+# %% ../../nbs/78_loops.ipynb #55dab1b3
 def setup_sft(cfg: DictConfig, load_model: Callable) -> SFTRun:
     """Everything before the first step of a fine-tune described by `cfg`, the model
     loaded by `load_model(cfg, checkpointer, device, dtype)`.
@@ -88,7 +88,7 @@ def setup_sft(cfg: DictConfig, load_model: Callable) -> SFTRun:
         total_steps=total_steps,
     )
 
-# %% ../../nbs/78_loops.ipynb #effb940a
+# %% ../../nbs/78_loops.ipynb #aaa07fe7
 def save_step_checkpoint(
     run: Any, step_weights: Callable, epoch: int, steps_into_epoch: int, step: int
 ) -> None:
@@ -113,7 +113,7 @@ def save_step_checkpoint(
         run.output_dir, run.cfg.get("keep_last_n_checkpoints", 2)
     )
 
-# %% ../../nbs/78_loops.ipynb #c11bf9c2
+# %% ../../nbs/78_loops.ipynb #18195c41
 def sft_loop(
     run: SFTRun,
     recipe: str,
@@ -170,7 +170,7 @@ def sft_loop(
     print(tracker.close(stopped))
     return tracker.history
 
-# %% ../../nbs/78_loops.ipynb #b199e0a4
+# %% ../../nbs/78_loops.ipynb #950a325d
 def setup_process(cfg: DictConfig) -> tuple:
     """Join the process group and seed; rank 0 creates `output_dir` and saves the
     config there. Returns (rank, world_size, device, dtype, output_dir).
@@ -185,7 +185,7 @@ def setup_process(cfg: DictConfig) -> tuple:
         OmegaConf.save(cfg, output_dir / "config.yaml")
     return rank, world_size, device, dtype, output_dir
 
-# %% ../../nbs/78_loops.ipynb #8deabac6
+# %% ../../nbs/78_loops.ipynb #1468284d
 def _shard(cfg: DictConfig, model: torch.nn.Module) -> torch.nn.Module:
     "Activation checkpointing and compilation (before sharding, as FSDP2 expects)."
     if cfg.get("enable_activation_checkpointing", False):
@@ -230,7 +230,7 @@ def load_sharded_model(
     del full_state
     return model
 
-# %% ../../nbs/78_loops.ipynb #5699ba33
+# %% ../../nbs/78_loops.ipynb #f7f9f739
 def load_sharded_lora_model(
     cfg: DictConfig,
     checkpointer: Any,
@@ -265,7 +265,7 @@ def load_sharded_lora_model(
     distributed.load_from_full_state_dict(model, full_state, device)
     return model
 
-# %% ../../nbs/78_loops.ipynb #9c327dab
+# %% ../../nbs/78_loops.ipynb #44629198
 def preflight_printer(
     cfg: DictConfig, tokenizer: Any, dataset: Any, output_dir: Path, world_size: int
 ) -> Callable:
@@ -290,7 +290,7 @@ def preflight_printer(
 
     return inspect
 
-# %% ../../nbs/78_loops.ipynb #4a82f8b0
+# %% ../../nbs/78_loops.ipynb #6dba7cc0
 @dataclass
 class ShardedRun:
     "What the sharded loop uses, built by `setup_sharded` on every rank."
@@ -346,7 +346,7 @@ def setup_sharded(cfg: DictConfig, load_model: Callable) -> ShardedRun:
         total_steps=total_steps,
     )
 
-# %% ../../nbs/78_loops.ipynb #f7385a26
+# %% ../../nbs/78_loops.ipynb #8b756610
 def resume_sharded(run: ShardedRun) -> utils.ResumePosition:
     """With resume_from_checkpoint: read the newest sharded step checkpoint back (each
     rank its own shards) and return where the loop continues; a fresh start otherwise.
@@ -392,30 +392,67 @@ def save_sharded_step(
         keep = run.cfg.get("keep_last_n_checkpoints", 2)
         utils.prune_step_checkpoints(run.output_dir, keep)
 
-# %% ../../nbs/78_loops.ipynb #372f7482
-def report_step(metrics: dict, epoch: int, logger, history: list, progress) -> None:
-    "Rank 0's record of one step: log line, history, progress bar or printed line."
-    logger.log(epoch=epoch, **metrics)
-    history.append(metrics)
-    progress.update(1)
-    progress.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.1e}")
-    if progress.disable:
-        print(f"step {metrics['step']}: loss {metrics['loss']:.4f}", flush=True)
+# %% ../../nbs/78_loops.ipynb #434a3f98
+class StepReporter:
+    """log.jsonl, the metrics history and the progress bar of a loop without epoch
+    folders: the sharded loop's rank 0, DPO and KD. `shown` maps the metrics the bar
+    displays to their format; `print_steps` prints a line a step when the bar is off.
+    """
 
+    def __init__(
+        self,
+        output_dir: Path,
+        total_steps: int,
+        start_step: int,
+        desc: str,
+        shown: dict[str, str],
+        progress_bar: bool = True,
+        print_steps: bool = False,
+    ) -> None:
+        self.logger, self.history = utils.JsonlLogger(output_dir), []
+        self.shown, self.print_steps = shown, print_steps and not progress_bar
+        self.progress = tqdm(
+            total=total_steps, initial=start_step, desc=desc, disable=not progress_bar
+        )
 
-def sharded_loop(run: ShardedRun) -> list[dict]:
-    """Run the remaining optimizer steps on every rank; returns rank 0's metrics (an
-    empty list on the other ranks).
+    def report(self, epoch: int, metrics: dict) -> None:
+        "Record one optimizer step: log line, history, progress bar or printed line."
+        self.logger.log(epoch=epoch, **metrics)
+        self.history.append(metrics)
+        self.progress.update(1)
+        self.progress.set_postfix(
+            {k: format(metrics[k], f) for k, f in self.shown.items()}
+        )
+        if self.print_steps:
+            print(f"step {metrics['step']}: loss {metrics['loss']:.4f}", flush=True)
+
+    def close(self) -> list[dict]:
+        "Close the progress bar and the log; returns the metrics of every step."
+        self.progress.close()
+        self.logger.close()
+        return self.history
+
+# %% ../../nbs/78_loops.ipynb #7a1f1a37
+def sharded_loop(
+    run: ShardedRun, save_final: Callable[[ShardedRun], None]
+) -> list[dict]:
+    """Run the remaining optimizer steps on every rank, then `save_final(run)` on every
+    rank (gathering is a collective), wait for all ranks and leave the process group.
+    Returns rank 0's metrics (an empty list on the other ranks).
     """
     cfg, start = run.cfg, resume_sharded(run)
-    logger = utils.JsonlLogger(run.output_dir) if run.rank == 0 else None
-    show = run.rank == 0 and cfg.get("progress_bar", True)
-    progress = tqdm(total=run.total_steps, initial=start.step, disable=not show)
+    reporter = None
+    if run.rank == 0:  # rank 0 alone logs and shows progress
+        reporter = StepReporter(
+            run.output_dir, run.total_steps, start.step, "train",
+            {"loss": ".4f", "lr": ".1e"}, cfg.get("progress_bar", True),
+            print_steps=True,
+        )  # fmt: skip
     batches = utils.resumable_batches(
         run.loader, run.device, cfg.epochs, run.steps_per_epoch, run.accumulation, start
     )
     val_every = cfg.get("run_val_every_n_steps", run.steps_per_epoch)
-    history, step = [], start.step
+    step = start.step
     for epoch, i, micro in batches:
         step, started, loss_sum, num_tokens = step + 1, time.perf_counter(), 0.0, 0
         for batch in micro:  # this rank's micro-batches
@@ -431,10 +468,11 @@ def sharded_loop(run: ShardedRun) -> list[dict]:
                 run.model, run.val_loader, run.device,
                 cfg.get("max_validation_batches"), run.loss_fn, run.world_size,
             )  # fmt: skip
-        if run.rank == 0:
-            report_step(metrics, epoch, logger, history, progress)
+        if reporter is not None:
+            reporter.report(epoch, metrics)
         save_sharded_step(run, epoch, i + 1, step)
-    progress.close()
-    if logger is not None:
-        logger.close()
+    history = reporter.close() if reporter is not None else []
+    save_final(run)
+    dist.barrier()  # no rank leaves while rank 0 is still writing
+    dist.destroy_process_group()
     return history
