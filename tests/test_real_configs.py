@@ -57,3 +57,23 @@ def test_real_config(entry):
         estimate.weights, estimate.gradients, estimate.optimizer_states = (
             estimate.weights / 8, estimate.gradients / 8, estimate.optimizer_states / 8)
     assert estimate.total / 2**30 < budget_gib, (entry.name, estimate.summary())
+
+
+TRAINING = {"full_finetune_single_device", "full_finetune_distributed", "lora_finetune_single_device",
+            "lora_finetune_distributed", "lora_dpo_single_device", "knowledge_distillation_single_device"}
+TRAINING_CONFIGS = [c for r in get_all_recipes() if r.name in TRAINING for c in r.configs]
+
+
+@pytest.mark.parametrize("entry", TRAINING_CONFIGS, ids=lambda c: c.name)
+def test_every_training_config_names_its_loss(entry):
+    """Each training recipe takes its loss from the config. The fine-tunes (and KD's cross-entropy term) use the
+    chunked cross-entropy that the memory planner assumes; DPO names its preference loss."""
+    cfg = config.load_config(entry.name)
+    assert cfg.get("loss"), f"{entry.name} has no loss"
+    loss = config.instantiate(cfg.loss)
+    if entry.name == "tiny/dpo":
+        assert type(loss).__name__ == "DPOLoss"
+        return
+    assert type(loss).__name__ == "CEWithChunkedOutputLoss" and loss.num_output_chunks == 8, entry.name
+    if cfg.get("kd_loss"):  # both terms read the same student logits, in the same chunks
+        assert config.instantiate(cfg.kd_loss).num_output_chunks == loss.num_output_chunks

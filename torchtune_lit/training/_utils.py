@@ -8,9 +8,10 @@ __all__ = ['DTYPES', 'RUN_COUNTS', 'get_device', 'get_dtype', 'set_seed', 'scale
            'JsonlLogger', 'read_jsonl', 'training_schedule', 'capture_rng_state', 'restore_rng_state',
            'latest_step_checkpoint', 'load_recipe_state', 'prune_step_checkpoints', 'resume_state', 'make_recipe_state',
            'restore_training_state', 'ResumePosition', 'resume_position', 'truncate_log', 'resumable_batches',
-           'shift_labels', 'summed_cross_entropy', 'build_loss', 'forward_loss', 'optimizer_step', 'validation_loss']
+           'shift_labels', 'summed_cross_entropy', 'build_loss', 'summed_loss', 'forward_loss', 'optimizer_step',
+           'validation_loss']
 
-# %% ../../nbs/71_training_utils.ipynb #5727a918
+# %% ../../nbs/71_training_utils.ipynb #cd1bfec0
 import json
 import math
 import random
@@ -22,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# %% ../../nbs/71_training_utils.ipynb #e62cf6c6
+# %% ../../nbs/71_training_utils.ipynb #2b5075a7
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -64,7 +65,7 @@ def get_dtype(name: str = "fp32", device: Optional[torch.device] = None) -> torc
         return torch.float32
     return DTYPES[name]
 
-# %% ../../nbs/71_training_utils.ipynb #63afc8fa
+# %% ../../nbs/71_training_utils.ipynb #dc69e6da
 def set_seed(seed: int) -> torch.Generator:
     """Seed Python and torch; return a torch Generator seeded the same way (for code
     that draws its own samples).
@@ -90,7 +91,7 @@ def check_loss_is_finite(loss: float, step: int) -> None:
             "for empty or corrupt samples."
         )
 
-# %% ../../nbs/71_training_utils.ipynb #b016ee59
+# %% ../../nbs/71_training_utils.ipynb #8363eaf2
 RUN_COUNTS = (  # whole numbers >= 1, or null where the recipe has a default
     "max_steps_per_epoch",
     "gradient_accumulation_steps",
@@ -142,7 +143,7 @@ def check_run_values(cfg: Any) -> None:
             f"optimizer.lr must be >= 0, got {lr!r}: it would train uphill."
         )
 
-# %% ../../nbs/71_training_utils.ipynb #71e71969
+# %% ../../nbs/71_training_utils.ipynb #dc88b1be
 def setup_run(cfg: Any) -> tuple[torch.device, torch.dtype, Path]:
     """(device, dtype, output_dir) for a recipe config, with the seed set. Claims
     output_dir for this run (another run's folder is refused unless resumed or
@@ -166,7 +167,7 @@ def setup_run(cfg: Any) -> tuple[torch.device, torch.dtype, Path]:
     OmegaConf.save(cfg, saved)
     return device, dtype, output_dir
 
-# %% ../../nbs/71_training_utils.ipynb #c1126fe0
+# %% ../../nbs/71_training_utils.ipynb #0d2fafd8
 def sampled_loader(
     dataset: Any, cfg: Any, collate_fn: Any, rank: int = 0, world_size: int = 1
 ) -> "DataLoader":
@@ -198,7 +199,7 @@ def sampled_loader(
         )
     return loader
 
-# %% ../../nbs/71_training_utils.ipynb #c2e6b126
+# %% ../../nbs/71_training_utils.ipynb #43a9141f
 def build_dataloader(
     cfg: Any, tokenizer: Any, rank: int = 0, world_size: int = 1
 ) -> "DataLoader":
@@ -240,7 +241,7 @@ def build_validation_loader(
         collate_fn=data.padded_collate_packed if packed else data.padded_collate_sft,
     )
 
-# %% ../../nbs/71_training_utils.ipynb #d37908a2
+# %% ../../nbs/71_training_utils.ipynb #4b8823cb
 class JsonlLogger:
     "Append one JSON object per `log` call to `log_dir/filename`, flushed immediately."
 
@@ -263,7 +264,7 @@ def read_jsonl(path: Union[str, Path]) -> list[dict]:
         json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()
     ]
 
-# %% ../../nbs/71_training_utils.ipynb #2bce9435
+# %% ../../nbs/71_training_utils.ipynb #e1ecfb99
 def training_schedule(
     cfg: Any, num_batches: int, optimizer: torch.optim.Optimizer
 ) -> tuple[int, int, int, Any]:
@@ -297,7 +298,7 @@ def training_schedule(
     )
     return accumulation, steps_per_epoch, total_steps, lr_scheduler
 
-# %% ../../nbs/71_training_utils.ipynb #e0a572ba
+# %% ../../nbs/71_training_utils.ipynb #80947585
 def capture_rng_state() -> dict[str, Any]:
     "Python's and torch's (and CUDA's) random states now."
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}
@@ -314,7 +315,7 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
-# %% ../../nbs/71_training_utils.ipynb #c441a243
+# %% ../../nbs/71_training_utils.ipynb #cb8c8b18
 def latest_step_checkpoint(output_dir: Union[str, Path]) -> Optional[Path]:
     """The newest complete `step_N` folder (one with recipe_state.pt) under
     `output_dir`, or None.
@@ -345,7 +346,7 @@ def prune_step_checkpoints(output_dir: Union[str, Path], keep: int) -> None:
     for old in folders[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
 
-# %% ../../nbs/71_training_utils.ipynb #83282776
+# %% ../../nbs/71_training_utils.ipynb #6cf98800
 def resume_state(
     cfg: Any, model: nn.Module, adapters_only: bool = False
 ) -> Optional[dict[str, Any]]:
@@ -386,7 +387,7 @@ def _load_adapter_weights(model: nn.Module, weights: dict, folder: Path) -> None
             f"(unexpected {unexpected[:3]}); check the LoRA options."
         )
 
-# %% ../../nbs/71_training_utils.ipynb #72990592
+# %% ../../nbs/71_training_utils.ipynb #f1bcc2d9
 def make_recipe_state(
     optimizer: torch.optim.Optimizer,
     lr_scheduler: Any,
@@ -415,7 +416,7 @@ def restore_training_state(
     if lr_scheduler is not None and state.get("lr_scheduler") is not None:
         lr_scheduler.load_state_dict(state["lr_scheduler"])
 
-# %% ../../nbs/71_training_utils.ipynb #d97333cd
+# %% ../../nbs/71_training_utils.ipynb #f131c74b
 class ResumePosition(NamedTuple):
     "Where a loop continues; all zeros (and no random states) for a fresh run."
 
@@ -456,7 +457,7 @@ def truncate_log(path: Union[str, Path], last_step: int) -> None:
         ]
         path.write_text("".join(line + "\n" for line in kept))
 
-# %% ../../nbs/71_training_utils.ipynb #9e843905
+# %% ../../nbs/71_training_utils.ipynb #31cfcfaa
 def _to_device(batch: Any, device: torch.device) -> Any:
     "A batch (a tensor, a dict or a tuple of tensors) on `device`."
     if isinstance(batch, torch.Tensor):
@@ -490,7 +491,7 @@ def resumable_batches(
                 rng = None
             yield epoch, i, micro
 
-# %% ../../nbs/71_training_utils.ipynb #42f1f832
+# %% ../../nbs/71_training_utils.ipynb #9d557375
 def shift_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
     "Labels for next-token prediction: labels[:, 1:] followed by one ignored position."
     return torch.cat(
@@ -518,7 +519,7 @@ def summed_cross_entropy(
         reduction="sum",
     )
 
-# %% ../../nbs/71_training_utils.ipynb #8bedfcc7
+# %% ../../nbs/71_training_utils.ipynb #2210a605
 def build_loss(cfg: Any, model: nn.Module) -> nn.Module:
     """The config's `loss` component; a chunked loss makes the model return its logits
     in `num_output_chunks` chunks.
@@ -542,7 +543,7 @@ def build_loss(cfg: Any, model: nn.Module) -> nn.Module:
         model.set_num_output_chunks(chunks)
     return loss_fn
 
-# %% ../../nbs/71_training_utils.ipynb #ba7743de
+# %% ../../nbs/71_training_utils.ipynb #a698982d
 def _mean_cross_entropy(
     logits: Union[torch.Tensor, list[torch.Tensor]], labels: torch.Tensor
 ) -> torch.Tensor:
@@ -553,15 +554,14 @@ def _mean_cross_entropy(
     return F.cross_entropy(logits.float(), labels, reduction="sum") / tokens
 
 
-def forward_loss(
-    model: nn.Module, loss_fn: nn.Module, batch: dict[str, torch.Tensor]
+def summed_loss(
+    loss_fn: nn.Module,
+    logits: Union[torch.Tensor, list[torch.Tensor]],
+    labels: torch.Tensor,
 ) -> tuple[torch.Tensor, int]:
-    """(the loss summed over the micro-batch's trained tokens, their number): forward
-    `batch` (tokens, labels, optional mask and input_pos), then `loss_fn`.
+    """(`loss_fn`'s token mean times the trained tokens, their number) for logits that
+    are one tensor or the chunks of a chunked loss; `labels` are already shifted.
     """
-    labels = shift_labels(batch["labels"])
-    kwargs = {k: batch[k] for k in ("mask", "input_pos") if k in batch}
-    logits = model(batch["tokens"], **kwargs)
     if not isinstance(logits, list):  # an unchunked loss: one row per position
         logits, labels = logits.flatten(0, 1), labels.flatten()
     tokens = int((labels != -100).sum())
@@ -570,7 +570,18 @@ def forward_loss(
         return sum(c.sum() for c in chunks) * 0.0, 0
     return loss_fn(logits, labels) * tokens, tokens
 
-# %% ../../nbs/71_training_utils.ipynb #0f223a69
+
+def forward_loss(
+    model: nn.Module, loss_fn: nn.Module, batch: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, int]:
+    """(the loss summed over the micro-batch's trained tokens, their number): forward
+    `batch` (tokens, labels, optional mask and input_pos), then `summed_loss`.
+    """
+    kwargs = {k: batch[k] for k in ("mask", "input_pos") if k in batch}
+    logits = model(batch["tokens"], **kwargs)
+    return summed_loss(loss_fn, logits, shift_labels(batch["labels"]))
+
+# %% ../../nbs/71_training_utils.ipynb #fe7bcd7f
 def optimizer_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -614,7 +625,7 @@ def optimizer_step(
     metrics["tokens_per_second"] = num_tokens / (time.perf_counter() - started)
     return metrics
 
-# %% ../../nbs/71_training_utils.ipynb #6e7ed3c6
+# %% ../../nbs/71_training_utils.ipynb #4a8ac5bd
 @torch.no_grad()
 def validation_loss(
     model: nn.Module,
