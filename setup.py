@@ -1,7 +1,8 @@
 """Installer for torchtune_lit, generated in the style of nbdev's template: everything comes from settings.ini.
 
     pip install -e .            runtime: torch, torchao, safetensors, datasets, sentencepiece, hub, omegaconf, tqdm
-    pip install -e ".[dev]"     + the pinned nbdev 2 toolchain, jupyterlab, matplotlib, pytest, transformers, peft
+    pip install -e ".[dev]"     + the pinned nbdev 2 toolchain, jupyterlab, matplotlib, pytest, and the reference
+                                libraries of the parity checks (transformers, peft, lm_eval, trl)
     pip install -e ".[docs]"    + Sphinx, myst-nb and the theme that render the teaching site offline
 """
 from configparser import ConfigParser
