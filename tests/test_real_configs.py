@@ -59,9 +59,11 @@ def test_real_config(entry):
     assert estimate.total / 2**30 < budget_gib, (entry.name, estimate.summary())
 
 
+PREFERENCE = {"lora_dpo_single_device", "full_dpo_single_device"}
 TRAINING = {"full_finetune_single_device", "full_finetune_distributed", "lora_finetune_single_device",
-            "lora_finetune_distributed", "lora_dpo_single_device", "knowledge_distillation_single_device"}
+            "lora_finetune_distributed", "knowledge_distillation_single_device", *PREFERENCE}
 TRAINING_CONFIGS = [c for r in get_all_recipes() if r.name in TRAINING for c in r.configs]
+PREFERENCE_CONFIGS = {c.name for r in get_all_recipes() if r.name in PREFERENCE for c in r.configs}
 
 
 @pytest.mark.parametrize("entry", TRAINING_CONFIGS, ids=lambda c: c.name)
@@ -71,7 +73,7 @@ def test_every_training_config_names_its_loss(entry):
     cfg = config.load_config(entry.name)
     assert cfg.get("loss"), f"{entry.name} has no loss"
     loss = config.instantiate(cfg.loss)
-    if entry.name == "tiny/dpo":
+    if entry.name in PREFERENCE_CONFIGS:
         assert type(loss).__name__ == "DPOLoss"
         return
     assert type(loss).__name__ == "CEWithChunkedOutputLoss" and loss.num_output_chunks == 8, entry.name

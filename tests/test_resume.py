@@ -28,6 +28,7 @@ def losses(log: Path) -> dict[int, float]:
     ("lora_finetune_single_device", "tiny/lora", ["model.lora_dropout=0.1"]),   # dropout: the RNG state matters
     ("full_finetune_single_device", "tiny/full", []),
     ("lora_dpo_single_device", "tiny/dpo", []),
+    ("full_dpo_single_device", "tiny/full_dpo", []),
     ("knowledge_distillation_single_device", "tiny/kd", []),
 ])
 def test_killed_run_resumes_exactly(tmp_path, recipe, config, extra):

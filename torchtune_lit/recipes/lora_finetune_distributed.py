@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['save_lora_outputs', 'train', 'recipe_main']
 
-# %% ../../nbs/83_lora_finetune_distributed.ipynb #92d713c1
+# %% ../../nbs/83_lora_finetune_distributed.ipynb #23cecfd1
 import sys
 
 from omegaconf import DictConfig
@@ -14,23 +14,15 @@ import torchtune_lit.config as config
 import torchtune_lit.modules.peft as peft
 import torchtune_lit.training as training
 
-# %% ../../nbs/83_lora_finetune_distributed.ipynb #82999b33
+# %% ../../nbs/83_lora_finetune_distributed.ipynb #cfeab7f9
 def save_lora_outputs(run: training.ShardedRun) -> None:
     """Gather the full state on rank 0 (every rank takes part) and write there the
     merged model (Hugging Face format) and the adapter (PEFT format).
     """
     state = training.gather_full_state_dict(run.model)
     if run.rank == 0:
-        lora = peft.get_adapter_config(run.model)
         folder = run.checkpointer.save_checkpoint(
-            {
-                "model": peft.get_merged_lora_ckpt(
-                    state, rank=lora["r"], alpha=lora["lora_alpha"]
-                ),
-                "adapter": peft.get_adapter_state_dict(state),
-                "adapter_config": lora,
-            },
-            epoch=run.cfg.epochs - 1,
+            peft.lora_checkpoint(run.model, state), epoch=run.cfg.epochs - 1
         )
         print(
             f"Saved the merged model (Hugging Face format) to {folder} and the "
@@ -38,7 +30,7 @@ def save_lora_outputs(run: training.ShardedRun) -> None:
             flush=True,
         )
 
-# %% ../../nbs/83_lora_finetune_distributed.ipynb #f2b974e0
+# %% ../../nbs/83_lora_finetune_distributed.ipynb #90b2f25e
 def train(cfg: DictConfig) -> list[dict]:
     "Run the recipe on every rank; rank 0 logs and saves. Returns rank 0's metrics."
     run = training.setup_sharded(cfg, training.load_sharded_lora_model)
@@ -52,7 +44,7 @@ def train(cfg: DictConfig) -> list[dict]:
         )
     return training.sharded_loop(run, save_lora_outputs)
 
-# %% ../../nbs/83_lora_finetune_distributed.ipynb #1e5fec01
+# %% ../../nbs/83_lora_finetune_distributed.ipynb #f14b45b5
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
     """Entry point: `tunelit run --nproc_per_node N lora_finetune_distributed --config
@@ -60,7 +52,7 @@ def recipe_main(cfg: DictConfig) -> None:
     """
     train(cfg)
 
-# %% ../../nbs/83_lora_finetune_distributed.ipynb #a9d7677b
+# %% ../../nbs/83_lora_finetune_distributed.ipynb #0f2c47e9
 #| eval: false
 if __name__ == "__main__":
     sys.exit(recipe_main())

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['save_epoch', 'step_weights', 'train', 'recipe_main']
 
-# %% ../../nbs/81_lora_finetune_single_device.ipynb #3f2531f9
+# %% ../../nbs/81_lora_finetune_single_device.ipynb #18dd83ff
 import sys
 from pathlib import Path
 
@@ -15,15 +15,12 @@ import torchtune_lit.config as config
 import torchtune_lit.modules.peft as peft
 import torchtune_lit.training as training
 
-# %% ../../nbs/81_lora_finetune_single_device.ipynb #4ba90c4f
+# %% ../../nbs/81_lora_finetune_single_device.ipynb #b55b78ed
 def save_epoch(run: training.SFTRun, epoch: int) -> Path:
     """Save epoch_N: the merged model (Hugging Face format) and the adapter (PEFT
     format)."""
-    state, lora = run.model.state_dict(), peft.get_adapter_config(run.model)
-    merged = peft.get_merged_lora_ckpt(state, rank=lora["r"], alpha=lora["lora_alpha"])
-    adapter = peft.get_adapter_state_dict(state)
     return run.checkpointer.save_checkpoint(
-        {"model": merged, "adapter": adapter, "adapter_config": lora}, epoch=epoch
+        peft.lora_checkpoint(run.model), epoch=epoch
     )
 
 
@@ -36,7 +33,7 @@ def step_weights(run: training.SFTRun) -> dict:
         "adapter_weights": adapter,
     }
 
-# %% ../../nbs/81_lora_finetune_single_device.ipynb #9625c73b
+# %% ../../nbs/81_lora_finetune_single_device.ipynb #deb51c34
 def train(cfg: DictConfig) -> list[dict]:
     "Run the recipe described by `cfg`; return the metrics of every step it ran."
     run = training.setup_sft(cfg, training.load_lora_model)
@@ -46,14 +43,14 @@ def train(cfg: DictConfig) -> list[dict]:
     recipe = "lora_finetune_single_device"
     return training.sft_loop(run, recipe, save_epoch, step_weights, adapters_only=True)
 
-# %% ../../nbs/81_lora_finetune_single_device.ipynb #9ca337d5
+# %% ../../nbs/81_lora_finetune_single_device.ipynb #c3ec2a07
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
     """Entry point: `tunelit run lora_finetune_single_device --config tiny/lora
     [key=value ...]`."""
     train(cfg)
 
-# %% ../../nbs/81_lora_finetune_single_device.ipynb #6e54c986
+# %% ../../nbs/81_lora_finetune_single_device.ipynb #0c0f4fce
 #| eval: false
 if __name__ == "__main__":
     sys.exit(recipe_main())

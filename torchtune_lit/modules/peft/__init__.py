@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['AdapterModule', 'apply_lora', 'disable_adapter', 'get_adapter_config', 'get_adapter_params', 'get_adapter_state_dict',
-           'get_lora_module_names', 'get_merged_lora_ckpt', 'lora_builder', 'set_trainable_params',
+           'get_lora_module_names', 'get_merged_lora_ckpt', 'lora_builder', 'lora_checkpoint', 'set_trainable_params',
            'validate_missing_and_unexpected_for_lora', 'DoRALinear', 'LoRALinear']
 
 # %% ../../../nbs/59_peft_map.ipynb #0d92472b
@@ -18,6 +18,7 @@ from torchtune_lit.modules.peft._utils import (
     get_lora_module_names,
     get_merged_lora_ckpt,
     lora_builder,
+    lora_checkpoint,
     set_trainable_params,
     validate_missing_and_unexpected_for_lora,
 )
@@ -34,6 +35,7 @@ _all_ = [
     "get_lora_module_names",
     "get_merged_lora_ckpt",
     "lora_builder",
+    "lora_checkpoint",
     "set_trainable_params",
     "validate_missing_and_unexpected_for_lora",
     "DoRALinear",

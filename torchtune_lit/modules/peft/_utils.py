@@ -4,10 +4,10 @@
 
 # %% auto #0
 __all__ = ['ATTN_MODULES', 'MLP_MODULES', 'AdapterModule', 'get_adapter_params', 'set_trainable_params', 'get_adapter_state_dict',
-           'get_lora_module_names', 'disable_adapter', 'get_adapter_config', 'get_merged_lora_ckpt',
+           'get_lora_module_names', 'disable_adapter', 'get_adapter_config', 'get_merged_lora_ckpt', 'lora_checkpoint',
            'validate_missing_and_unexpected_for_lora', 'apply_lora', 'lora_builder']
 
-# %% ../../../nbs/54_peft_utils.ipynb #4bef2dc5
+# %% ../../../nbs/54_peft_utils.ipynb #d751aea2
 import contextlib
 import inspect
 from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
@@ -19,7 +19,7 @@ from .dora import DoRALinear
 from .lora import LoRALinear
 from ..transformer import TiedLinear, TransformerDecoder
 
-# %% ../../../nbs/54_peft_utils.ipynb #e2f140cb
+# %% ../../../nbs/54_peft_utils.ipynb #bc73426f
 class AdapterModule(Protocol):
     """A module with adapter parameters: `adapter_params()` returns their names relative
     to the module.
@@ -55,7 +55,7 @@ def get_adapter_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
         if ".lora_a." in k or ".lora_b." in k or k.endswith(".magnitude")
     }
 
-# %% ../../../nbs/54_peft_utils.ipynb #45cadeda
+# %% ../../../nbs/54_peft_utils.ipynb #78db644d
 def get_lora_module_names(
     lora_attn_modules: Sequence[str],
     apply_lora_to_mlp: bool,
@@ -91,7 +91,7 @@ def disable_adapter(model: nn.Module) -> Iterator[None]:
         for m, was in zip(layers, previous):
             m.disabled = was
 
-# %% ../../../nbs/54_peft_utils.ipynb #090d5eb7
+# %% ../../../nbs/54_peft_utils.ipynb #f09cd2e4
 def get_adapter_config(model: nn.Module) -> dict[str, Any]:
     """PEFT's adapter settings (r, lora_alpha, use_dora, lora_dropout, target_modules)
     read from the model's LoRA layers."""
@@ -124,7 +124,7 @@ def get_adapter_config(model: nn.Module) -> dict[str, Any]:
         "target_modules": kinds,
     }
 
-# %% ../../../nbs/54_peft_utils.ipynb #c6e46f45
+# %% ../../../nbs/54_peft_utils.ipynb #659045eb
 @torch.no_grad()
 def get_merged_lora_ckpt(
     state_dict: dict[str, torch.Tensor], rank: int, alpha: float
@@ -155,7 +155,21 @@ def get_merged_lora_ckpt(
         merged[f"{prefix}.weight"] = adapted
     return merged
 
-# %% ../../../nbs/54_peft_utils.ipynb #d7593c30
+# %% ../../../nbs/54_peft_utils.ipynb #3061a012
+def lora_checkpoint(
+    model: nn.Module, state_dict: Optional[dict[str, torch.Tensor]] = None
+) -> dict[str, Any]:
+    """{"model": merged weights, "adapter": adapter weights, "adapter_config": PEFT
+    settings} of a LoRA model, for the checkpointer."""
+    state = model.state_dict() if state_dict is None else state_dict
+    lora = get_adapter_config(model)
+    return {
+        "model": get_merged_lora_ckpt(state, rank=lora["r"], alpha=lora["lora_alpha"]),
+        "adapter": get_adapter_state_dict(state),
+        "adapter_config": lora,
+    }
+
+# %% ../../../nbs/54_peft_utils.ipynb #e2363d45
 def validate_missing_and_unexpected_for_lora(
     lora_attn_modules: Sequence[str],
     apply_lora_to_mlp: bool,
@@ -205,7 +219,7 @@ def validate_missing_and_unexpected_for_lora(
             "apply_lora_to_output) against the checkpoint."
         )
 
-# %% ../../../nbs/54_peft_utils.ipynb #dbd49d91
+# %% ../../../nbs/54_peft_utils.ipynb #cacd9f65
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "output_proj")
 MLP_MODULES = ("w1", "w2", "w3")
 
@@ -255,7 +269,7 @@ def _frozen_nf4(linear: nn.Linear) -> FrozenNF4Linear:
         layer.weight.copy_(linear.weight)
     return layer
 
-# %% ../../../nbs/54_peft_utils.ipynb #824e4211
+# %% ../../../nbs/54_peft_utils.ipynb #32d7023d
 def apply_lora(
     model: TransformerDecoder,
     lora_attn_modules: Sequence[str],
@@ -306,7 +320,7 @@ def apply_lora(
         model.output = make(model.output)
     return model
 
-# %% ../../../nbs/54_peft_utils.ipynb #d0aba4c8
+# %% ../../../nbs/54_peft_utils.ipynb #fdb9a984
 def lora_builder(
     base_builder: Callable[..., TransformerDecoder], name: str, **defaults: Any
 ) -> Callable[..., TransformerDecoder]:
