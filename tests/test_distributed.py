@@ -1,12 +1,14 @@
 """FSDP2 under torchrun on CPU (Gloo): two processes at batch 2 train exactly like one process at batch 4, with
-shuffling on (both read the data in DistributedSampler order)."""
+shuffling on (both read the data in DistributedSampler order) — fine-tuning and DPO, LoRA and full weights."""
 import json
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import transformers
+from safetensors.torch import load_file
 
 TUNELIT = str(Path(sys.executable).parent / "tunelit")
 COMMON = ["epochs=1", "max_steps_per_epoch=6", "shuffle=true", "progress_bar=false", "~lr_scheduler",
@@ -39,6 +41,42 @@ def test_two_processes_match_one(tmp_path):
     single_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "single" / "epoch_0")
     for (name, p), (_, q) in zip(model.named_parameters(), single_model.named_parameters()):
         torch.testing.assert_close(p, q, atol=2e-4, rtol=1e-3, msg=name)
+
+
+def records(log: Path) -> list[dict]:
+    return [json.loads(line) for line in log.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("recipe,single_recipe,single_config,port", [
+    ("lora_dpo_distributed", "lora_dpo_single_device", "tiny/dpo", "29523"),
+    ("full_dpo_distributed", "full_dpo_single_device", "tiny/full_dpo", "29525"),
+])
+def test_two_processes_match_one_in_dpo(tmp_path, recipe, single_recipe, single_config, port):
+    """DPO under FSDP2: two processes at batch 2 log the losses, reward margins and accuracies and the held-out metrics
+    of one process at batch 4 (shuffling on), and save the same weights."""
+    common = ["max_steps_per_epoch=6", "shuffle=true", "run_val_every_n_steps=3", "max_validation_batches=null"]
+    single = subprocess.run([TUNELIT, "run", single_recipe, "--config", single_config, "batch_size=4",
+                             "progress_bar=false", f"output_dir={tmp_path / 'single'}", *common],
+                            capture_output=True, text=True, timeout=600)
+    assert single.returncode == 0, single.stderr[-3000:]
+    multi = subprocess.run([TUNELIT, "run", "--nproc_per_node", "2", "--master_port", port, recipe, "--config",
+                            f"tiny/{recipe}", "batch_size=2", f"output_dir={tmp_path / 'multi'}", *common],
+                           capture_output=True, text=True, timeout=600)
+    assert multi.returncode == 0, multi.stderr[-3000:]
+    a, b = records(tmp_path / "single" / "log.jsonl"), records(tmp_path / "multi" / "log.jsonl")
+    print(recipe, "single:", [f"{r['loss']:.5f}" for r in a]); print(recipe, "FSDP2 x2:", [f"{r['loss']:.5f}" for r in b])
+    print(recipe, "held-out accuracy:", [r["val_rewards/accuracy"] for r in b if "val_rewards/accuracy" in r])
+    assert len(a) == len(b) == 6 and [r["pairs"] for r in b] == [4] * 6
+    for key in ("loss", "rewards/margin", "rewards/chosen", "val_loss"):
+        x, y = [r[key] for r in a if key in r], [r[key] for r in b if key in r]
+        assert len(x) == len(y) and all(abs(u - v) <= 1e-3 * max(abs(u), 1e-2) for u, v in zip(x, y)), (key, x, y)
+    for key in ("rewards/accuracy", "val_rewards/accuracy"):
+        assert [r[key] for r in a if key in r] == [r[key] for r in b if key in r], key
+    name = "adapter/adapter_model.safetensors" if recipe.startswith("lora") else "model.safetensors"
+    ours, theirs = (load_file(tmp_path / side / "epoch_0" / name) for side in ("multi", "single"))
+    assert ours.keys() == theirs.keys()
+    for key in ours:
+        torch.testing.assert_close(ours[key], theirs[key], atol=2e-4, rtol=1e-3, msg=key)
 
 
 def descendants(pid: int) -> list[int]:

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['model_weights', 'save_final_model', 'train', 'recipe_main']
 
-# %% ../../nbs/87_full_dpo_single_device.ipynb #c1a68762
+# %% ../../nbs/87_full_dpo_single_device.ipynb #f09ff676
 import sys
 from pathlib import Path
 
@@ -14,7 +14,7 @@ from omegaconf import DictConfig
 import torchtune_lit.config as config
 import torchtune_lit.training as training
 
-# %% ../../nbs/87_full_dpo_single_device.ipynb #d758dbea
+# %% ../../nbs/87_full_dpo_single_device.ipynb #61a30d77
 def model_weights(run: training.PreferenceRun) -> dict:
     "What a step checkpoint holds besides the recipe state: every weight."
     return {"model": run.model.state_dict()}
@@ -36,15 +36,15 @@ def train(cfg: DictConfig) -> list[dict]:
     save_final_model(run)
     return history
 
-# %% ../../nbs/87_full_dpo_single_device.ipynb #74fee79a
+# %% ../../nbs/87_full_dpo_single_device.ipynb #23d83df4
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
     """Entry point: `tunelit run full_dpo_single_device --config tiny/full_dpo
     [key=value ...]`.
     """
-    print(training.preference_summary(cfg, train(cfg)))
+    train(cfg)
 
-# %% ../../nbs/87_full_dpo_single_device.ipynb #1972e1a5
+# %% ../../nbs/87_full_dpo_single_device.ipynb #60217f58
 #| eval: false
 if __name__ == "__main__":
     sys.exit(recipe_main())

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['adapter_weights', 'save_final_outputs', 'train', 'recipe_main']
 
-# %% ../../nbs/84_lora_dpo_single_device.ipynb #b8bca1cd
+# %% ../../nbs/84_lora_dpo_single_device.ipynb #9e076251
 import sys
 from pathlib import Path
 
@@ -15,7 +15,7 @@ import torchtune_lit.config as config
 import torchtune_lit.modules.peft as peft
 import torchtune_lit.training as training
 
-# %% ../../nbs/84_lora_dpo_single_device.ipynb #a2dc7dc8
+# %% ../../nbs/84_lora_dpo_single_device.ipynb #3852ea0c
 def adapter_weights(run: training.PreferenceRun) -> dict:
     "What a step checkpoint holds besides the recipe state: the adapter."
     adapter = peft.get_adapter_state_dict(run.model.state_dict())
@@ -42,15 +42,15 @@ def train(cfg: DictConfig) -> list[dict]:
     save_final_outputs(run)
     return history
 
-# %% ../../nbs/84_lora_dpo_single_device.ipynb #78dc6d72
+# %% ../../nbs/84_lora_dpo_single_device.ipynb #da1b2146
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
     """Entry point: `tunelit run lora_dpo_single_device --config tiny/dpo [key=value
     ...]`.
     """
-    print(training.preference_summary(cfg, train(cfg)))
+    train(cfg)
 
-# %% ../../nbs/84_lora_dpo_single_device.ipynb #12400e35
+# %% ../../nbs/84_lora_dpo_single_device.ipynb #e59edaf9
 #| eval: false
 if __name__ == "__main__":
     sys.exit(recipe_main())

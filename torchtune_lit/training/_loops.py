@@ -4,15 +4,15 @@
 
 # %% auto #0
 __all__ = ['SFTRun', 'setup_sft', 'save_step_checkpoint', 'sft_loop', 'reference_model', 'pair_losses', 'preference_step',
-           'preference_validation', 'PreferenceRun', 'build_preference_loaders', 'frozen_reference', 'setup_preference',
-           'preference_loop', 'preference_summary', 'setup_process', 'load_sharded_model', 'load_sharded_lora_model',
-           'preflight_printer', 'ShardedRun', 'setup_sharded', 'resume_sharded', 'save_sharded_step', 'StepReporter',
-           'sharded_loop']
+           'preference_validation', 'PreferenceRun', 'build_preference_loaders', 'needs_reference_copy',
+           'frozen_reference', 'setup_preference', 'preference_loop', 'preference_summary', 'setup_process',
+           'load_sharded_model', 'load_sharded_lora_model', 'preflight_printer', 'ShardedRun', 'setup_sharded',
+           'resume_sharded', 'save_sharded_step', 'StepReporter', 'sharded_loop', 'save_final_sharded']
 
-# %% ../../nbs/78_loops.ipynb #5e3eedef
+# %% ../../nbs/78_loops.ipynb #3e918601
 import contextlib
-import copy
 import time
+from copy import deepcopy
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -32,7 +32,7 @@ import torchtune_lit.training._utils as utils
 from . import preflight, runs
 from .metric_logging import get_memory_stats
 
-# %% ../../nbs/78_loops.ipynb #7e67de07
+# %% ../../nbs/78_loops.ipynb #c1c97b79
 @dataclass
 class SFTRun:
     "What the single-device loop uses, built by `setup_sft`."
@@ -51,7 +51,7 @@ class SFTRun:
     steps_per_epoch: int
     total_steps: int
 
-# %% ../../nbs/78_loops.ipynb #d8a4a43c
+# %% ../../nbs/78_loops.ipynb #1ecdac95
 def setup_sft(cfg: DictConfig, load_model: Callable) -> SFTRun:
     """Everything before the first step of a fine-tune described by `cfg`, the model
     loaded by `load_model(cfg, checkpointer, device, dtype)`.
@@ -94,7 +94,7 @@ def setup_sft(cfg: DictConfig, load_model: Callable) -> SFTRun:
         total_steps=total_steps,
     )
 
-# %% ../../nbs/78_loops.ipynb #4779cc33
+# %% ../../nbs/78_loops.ipynb #88c6a2a5
 def save_step_checkpoint(
     run: Any, step_weights: Callable, epoch: int, steps_into_epoch: int, step: int
 ) -> None:
@@ -119,7 +119,7 @@ def save_step_checkpoint(
         run.output_dir, run.cfg.get("keep_last_n_checkpoints", 2)
     )
 
-# %% ../../nbs/78_loops.ipynb #cc118c0e
+# %% ../../nbs/78_loops.ipynb #e1ea74ee
 def sft_loop(
     run: SFTRun,
     recipe: str,
@@ -176,7 +176,7 @@ def sft_loop(
     print(tracker.close(stopped))
     return tracker.history
 
-# %% ../../nbs/78_loops.ipynb #2583d6b3
+# %% ../../nbs/78_loops.ipynb #75711169
 @contextlib.contextmanager
 def reference_model(model: torch.nn.Module, reference: Optional[torch.nn.Module]):
     "The reference: `reference` if given, else `model` with its LoRA adapters disabled."
@@ -186,7 +186,7 @@ def reference_model(model: torch.nn.Module, reference: Optional[torch.nn.Module]
         with peft.disable_adapter(model):
             yield model
 
-# %% ../../nbs/78_loops.ipynb #d1c01cf9
+# %% ../../nbs/78_loops.ipynb #205c87d1
 def _answer_log_probs(model, rows: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     "Summed answer log-probs of each row of `(input_ids, labels)`."
     logits = model(rows[0])
@@ -196,7 +196,11 @@ def _answer_log_probs(model, rows: tuple[torch.Tensor, torch.Tensor]) -> torch.T
 
 
 def pair_losses(
-    model, loss_fn, batch, reference: Optional[torch.nn.Module] = None
+    model,
+    loss_fn,
+    batch,
+    reference: Optional[torch.nn.Module] = None,
+    world_size: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-pair losses and chosen/rejected rewards of one preference batch; the
     reference is `reference`, or `model` with its adapters off when None.
@@ -220,9 +224,38 @@ def pair_losses(
         policy_kl = _answer_log_probs(model, mismatched)
         with reference_model(model, reference) as ref:
             reference_kl = _answer_log_probs(ref, mismatched)
+    if world_size > 1:  # one reference point over every rank's mismatched rows
+        drift = policy_kl - reference_kl
+        total = torch.stack([drift.sum(), drift.new_tensor(drift.numel())]).double()
+        dist.all_reduce(total)
+        policy_kl = torch.full_like(policy_kl, (total[0] / total[1]).item())
+        reference_kl = torch.zeros_like(reference_kl)
     return loss_fn(*logps, policy_kl, reference_kl)
 
-# %% ../../nbs/78_loops.ipynb #39905a73
+# %% ../../nbs/78_loops.ipynb #21cd9b1b
+def _pair_metrics(
+    chosen: torch.Tensor, rejected: torch.Tensor, world_size: int
+) -> dict:
+    "Mean rewards, margin and accuracy over the pairs of every rank."
+    sums = torch.stack(
+        [
+            chosen.sum(),
+            rejected.sum(),
+            (chosen > rejected).sum(),
+            chosen.new_tensor(len(chosen)),
+        ]
+    ).double()
+    if world_size > 1:
+        dist.all_reduce(sums)
+    chosen_sum, rejected_sum, correct, pairs = sums.tolist()
+    return {
+        "rewards/chosen": chosen_sum / pairs,
+        "rewards/rejected": rejected_sum / pairs,
+        "rewards/margin": (chosen_sum - rejected_sum) / pairs,
+        "rewards/accuracy": correct / pairs,
+    }
+
+
 def preference_step(
     model,
     loss_fn,
@@ -232,39 +265,27 @@ def preference_step(
     clip_grad_norm: Optional[float] = None,
     lr_scheduler: Any = None,
     reference: Optional[torch.nn.Module] = None,
+    world_size: int = 1,
 ) -> dict:
     "One optimizer step over preference `micro_batches`; the loss: mean over pairs."
-    pairs = sum(batch[0].shape[0] // 2 for batch in micro_batches)
-    loss_sum, chosen, rejected = 0.0, [], []
+    started, loss_sum, pairs, chosen, rejected = time.perf_counter(), 0.0, 0, [], []
     for batch in micro_batches:
-        losses, chosen_r, rejected_r = pair_losses(model, loss_fn, batch, reference)
-        (losses.sum() / pairs).backward()
-        loss_sum += losses.sum().item()
+        losses, chosen_r, rejected_r = pair_losses(
+            model, loss_fn, batch, reference, world_size
+        )
+        losses.sum().backward()
+        loss_sum, pairs = loss_sum + losses.sum().item(), pairs + len(losses)
         chosen.append(chosen_r.detach())
         rejected.append(rejected_r.detach())
-    loss = loss_sum / pairs
-    utils.check_loss_is_finite(loss, step)
-    if clip_grad_norm:
-        torch.nn.utils.clip_grad_norm_(
-            [p for p in model.parameters() if p.requires_grad], clip_grad_norm
-        )
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    if lr_scheduler is not None:
-        lr_scheduler.step()
-    chosen_r, rejected_r = torch.cat(chosen), torch.cat(rejected)
-    return {
-        "step": step,
-        "loss": loss,
-        "lr": optimizer.param_groups[0]["lr"],
-        "pairs": pairs,
-        "rewards/chosen": chosen_r.mean().item(),
-        "rewards/rejected": rejected_r.mean().item(),
-        "rewards/margin": (chosen_r - rejected_r).mean().item(),
-        "rewards/accuracy": (chosen_r > rejected_r).float().mean().item(),
-    }
+    metrics = utils.optimizer_step(
+        model, optimizer, step, loss_sum, pairs, started, clip_grad_norm,
+        lr_scheduler, world_size,
+    )  # fmt: skip
+    metrics["pairs"] = metrics.pop("tokens")  # the count it normalised by
+    metrics.pop("tokens_per_second")
+    return metrics | _pair_metrics(torch.cat(chosen), torch.cat(rejected), world_size)
 
-# %% ../../nbs/78_loops.ipynb #863d6854
+# %% ../../nbs/78_loops.ipynb #85af1037
 @torch.no_grad()
 def preference_validation(
     model,
@@ -273,6 +294,7 @@ def preference_validation(
     device,
     max_batches: Optional[int] = None,
     reference: Optional[torch.nn.Module] = None,
+    world_size: int = 1,
 ) -> dict:
     "Loss and reward accuracy over (up to `max_batches` of) held-out pairs; eval mode."
     was_training = model.training
@@ -282,14 +304,20 @@ def preference_validation(
         if max_batches is not None and i >= max_batches:
             break
         batch = tuple(t.to(device) for t in batch)
-        losses, chosen_r, rejected_r = pair_losses(model, loss_fn, batch, reference)
+        losses, chosen_r, rejected_r = pair_losses(
+            model, loss_fn, batch, reference, world_size
+        )
         loss_sum += losses.sum().item()
         correct += int((chosen_r > rejected_r).sum())
         pairs += len(losses)
     model.train(was_training)
+    if world_size > 1:
+        loss_sum, correct, pairs = (
+            distributed.all_reduce_sum(x, device) for x in (loss_sum, correct, pairs)
+        )
     return {"val_loss": loss_sum / pairs, "val_rewards/accuracy": correct / pairs}
 
-# %% ../../nbs/78_loops.ipynb #81c59ae1
+# %% ../../nbs/78_loops.ipynb #0ec2c13b
 @dataclass
 class PreferenceRun:
     "What the preference loop uses, built by `setup_preference`."
@@ -310,30 +338,37 @@ class PreferenceRun:
     total_steps: int
 
 
-def build_preference_loaders(cfg: DictConfig, tokenizer) -> tuple:
-    "(training pairs in (seed, epoch) order, held-out pairs in order or None)."
+def build_preference_loaders(
+    cfg: DictConfig, tokenizer, rank: int = 0, world_size: int = 1
+) -> tuple:
+    """(this rank's training pairs in (seed, epoch) order, its share of the held-out
+    pairs in order, or None)."""
     dataset = config.instantiate(cfg.dataset, tokenizer)
     if cfg.get("sanity_check"):  # `tunelit run ... --sanity`: overfit a handful
         dataset = torch.utils.data.Subset(
             dataset, range(min(cfg.sanity_check, len(dataset)))
         )
-    loader = utils.sampled_loader(dataset, cfg, data.padded_collate_dpo)
-    if not cfg.get("validation_dataset"):
-        return loader, None
-    held_out = config.instantiate(cfg.validation_dataset, tokenizer)
-    return loader, DataLoader(
-        held_out, batch_size=cfg.batch_size, collate_fn=data.padded_collate_dpo
+    collate = data.padded_collate_dpo
+    return (
+        utils.sampled_loader(dataset, cfg, collate, rank, world_size),
+        utils.build_validation_loader(cfg, tokenizer, rank, world_size, collate),
     )
 
 
-def frozen_reference(model: torch.nn.Module, loss_fn) -> Optional[torch.nn.Module]:
-    """None when the policy can serve as its own reference (LoRA adapters to switch
-    off) or the loss needs none; else a frozen copy of the starting model."""
-    if peft.get_adapter_params(model) or getattr(loss_fn, "reference_free", False):
-        return None
-    return copy.deepcopy(model).requires_grad_(False).eval()
+def needs_reference_copy(model: torch.nn.Module, loss_fn) -> bool:
+    """True unless the policy can serve as its own reference (LoRA adapters to switch
+    off) or the loss needs none."""
+    has_adapters = bool(peft.get_adapter_params(model))
+    return not (has_adapters or getattr(loss_fn, "reference_free", False))
 
-# %% ../../nbs/78_loops.ipynb #c19330ce
+
+def frozen_reference(model: torch.nn.Module, loss_fn) -> Optional[torch.nn.Module]:
+    "A frozen copy of the starting model when one is needed, else None."
+    if not needs_reference_copy(model, loss_fn):
+        return None
+    return deepcopy(model).requires_grad_(False).eval()
+
+# %% ../../nbs/78_loops.ipynb #c885d003
 def setup_preference(cfg: DictConfig, load_model: Callable) -> PreferenceRun:
     "Everything before the first step of a preference recipe described by `cfg`."
     device, dtype, output_dir = utils.setup_run(cfg)
@@ -373,7 +408,7 @@ def setup_preference(cfg: DictConfig, load_model: Callable) -> PreferenceRun:
         total_steps=total_steps,
     )
 
-# %% ../../nbs/78_loops.ipynb #b725e650
+# %% ../../nbs/78_loops.ipynb #0c90fcad
 def preference_loop(
     run: PreferenceRun,
     step_weights: Callable[[PreferenceRun], dict],
@@ -414,7 +449,10 @@ def preference_loop(
             )
         reporter.report(epoch, metrics)
         save_step_checkpoint(run, step_weights, epoch, i + 1, step)
-    return reporter.close()
+    history = reporter.close()
+    if history:
+        print(preference_summary(cfg, history))
+    return history
 
 
 def preference_summary(cfg: DictConfig, history: list[dict]) -> str:
@@ -427,7 +465,7 @@ def preference_summary(cfg: DictConfig, history: list[dict]) -> str:
         f"accuracy {last['rewards/accuracy']:.2f}"
     )
 
-# %% ../../nbs/78_loops.ipynb #ec6950e6
+# %% ../../nbs/78_loops.ipynb #19dd384c
 def setup_process(cfg: DictConfig) -> tuple:
     """Join the process group and seed; rank 0 creates `output_dir` and saves the
     config there. Returns (rank, world_size, device, dtype, output_dir).
@@ -442,7 +480,7 @@ def setup_process(cfg: DictConfig) -> tuple:
         OmegaConf.save(cfg, output_dir / "config.yaml")
     return rank, world_size, device, dtype, output_dir
 
-# %% ../../nbs/78_loops.ipynb #d5ed7de2
+# %% ../../nbs/78_loops.ipynb #42f50ce1
 def _shard(cfg: DictConfig, model: torch.nn.Module) -> torch.nn.Module:
     "Activation checkpointing and compilation (before sharding, as FSDP2 expects)."
     if cfg.get("enable_activation_checkpointing", False):
@@ -487,7 +525,7 @@ def load_sharded_model(
     del full_state
     return model
 
-# %% ../../nbs/78_loops.ipynb #07104952
+# %% ../../nbs/78_loops.ipynb #a302eca4
 def load_sharded_lora_model(
     cfg: DictConfig,
     checkpointer: Any,
@@ -522,7 +560,7 @@ def load_sharded_lora_model(
     distributed.load_from_full_state_dict(model, full_state, device)
     return model
 
-# %% ../../nbs/78_loops.ipynb #ab8cf354
+# %% ../../nbs/78_loops.ipynb #feb0139d
 def preflight_printer(
     cfg: DictConfig, tokenizer: Any, dataset: Any, output_dir: Path, world_size: int
 ) -> Callable:
@@ -547,7 +585,7 @@ def preflight_printer(
 
     return inspect
 
-# %% ../../nbs/78_loops.ipynb #483dbe67
+# %% ../../nbs/78_loops.ipynb #ac1e5487
 @dataclass
 class ShardedRun:
     "What the sharded loop uses, built by `setup_sharded` on every rank."
@@ -567,18 +605,37 @@ class ShardedRun:
     accumulation: int
     steps_per_epoch: int
     total_steps: int
+    preference: bool = False  # preference pairs (the DPO family) instead of SFT rows
+    reference: Optional[torch.nn.Module] = None  # as in `PreferenceRun`
 
-
-def setup_sharded(cfg: DictConfig, load_model: Callable) -> ShardedRun:
+# %% ../../nbs/78_loops.ipynb #5631ef2f
+def setup_sharded(
+    cfg: DictConfig, load_model: Callable, preference: bool = False
+) -> ShardedRun:
     """Join the group and build the sharded model (with `load_model`), this rank's
-    loaders, the loss, the optimizer over the trainable parameters and the schedule.
+    loaders, the loss, the optimizer over the trainable parameters and the schedule;
+    with `preference`, preference pairs, the config's preference loss and a reference
+    (a second sharded, frozen load for a model without adapters).
     """
     rank, world_size, device, dtype, output_dir = setup_process(cfg)
     checkpointer = config.instantiate(cfg.checkpointer)
     tokenizer = config.instantiate(cfg.tokenizer)
-    loader = utils.build_dataloader(cfg, tokenizer, rank, world_size)
-    inspect = preflight_printer(cfg, tokenizer, loader.dataset, output_dir, world_size)
+    if preference:
+        loader, val_loader = build_preference_loaders(cfg, tokenizer, rank, world_size)
+        checked = preflight.ChosenView(loader.dataset)  # each pair's chosen answer
+    else:
+        loader = utils.build_dataloader(cfg, tokenizer, rank, world_size)
+        val_loader = utils.build_validation_loader(cfg, tokenizer, rank, world_size)
+        checked = loader.dataset
+    inspect = preflight_printer(cfg, tokenizer, checked, output_dir, world_size)
     model = load_model(cfg, checkpointer, rank, device, dtype, inspect=inspect)
+    loss_fn = (
+        config.instantiate(cfg.loss) if preference else utils.build_loss(cfg, model)
+    )
+    reference = None
+    if preference and needs_reference_copy(model, loss_fn):
+        reference = load_model(cfg, checkpointer, rank, device, dtype)
+        reference.requires_grad_(False).eval()
     optimizer = config.instantiate(
         cfg.optimizer, [p for p in model.parameters() if p.requires_grad]
     )
@@ -593,17 +650,19 @@ def setup_sharded(cfg: DictConfig, load_model: Callable) -> ShardedRun:
         output_dir=output_dir,
         checkpointer=checkpointer,
         model=model,
-        loss_fn=utils.build_loss(cfg, model),
+        loss_fn=loss_fn,
         loader=loader,
-        val_loader=utils.build_validation_loader(cfg, tokenizer, rank, world_size),
+        val_loader=val_loader,
         optimizer=optimizer,
         lr_scheduler=lr_scheduler,
         accumulation=accumulation,
         steps_per_epoch=steps_per_epoch,
         total_steps=total_steps,
+        preference=preference,
+        reference=reference,
     )
 
-# %% ../../nbs/78_loops.ipynb #53f94290
+# %% ../../nbs/78_loops.ipynb #9082d5f4
 def resume_sharded(run: ShardedRun) -> utils.ResumePosition:
     """With resume_from_checkpoint: read the newest sharded step checkpoint back (each
     rank its own shards) and return where the loop continues; a fresh start otherwise.
@@ -649,7 +708,7 @@ def save_sharded_step(
         keep = run.cfg.get("keep_last_n_checkpoints", 2)
         utils.prune_step_checkpoints(run.output_dir, keep)
 
-# %% ../../nbs/78_loops.ipynb #0edc4661
+# %% ../../nbs/78_loops.ipynb #eb6224f6
 class StepReporter:
     """log.jsonl, the metrics history and the progress bar of a loop without epoch
     folders: the sharded loop's rank 0, DPO and KD. `shown` maps the metrics the bar
@@ -689,7 +748,41 @@ class StepReporter:
         self.logger.close()
         return self.history
 
-# %% ../../nbs/78_loops.ipynb #a0a41707
+# %% ../../nbs/78_loops.ipynb #580775f2
+def _sharded_step(run: ShardedRun, micro: list, step: int) -> dict:
+    "One optimizer step on this rank's micro-batches: SFT rows or preference pairs."
+    clip = run.cfg.get("clip_grad_norm")
+    if run.preference:
+        return preference_step(
+            run.model, run.loss_fn, micro, run.optimizer, step, clip,
+            run.lr_scheduler, run.reference, run.world_size,
+        )  # fmt: skip
+    started, loss_sum, num_tokens = time.perf_counter(), 0.0, 0
+    for batch in micro:  # this rank's micro-batches
+        loss, tokens = utils.forward_loss(run.model, run.loss_fn, batch)
+        loss.backward()
+        loss_sum, num_tokens = loss_sum + loss.item(), num_tokens + tokens
+    return utils.optimizer_step(
+        run.model, run.optimizer, step, loss_sum, num_tokens, started, clip,
+        run.lr_scheduler, run.world_size,
+    )  # fmt: skip
+
+
+def _sharded_validation(run: ShardedRun) -> dict:
+    "The held-out metrics over every rank's share."
+    max_batches = run.cfg.get("max_validation_batches")
+    if run.preference:
+        return preference_validation(
+            run.model, run.loss_fn, run.val_loader, run.device, max_batches,
+            run.reference, run.world_size,
+        )  # fmt: skip
+    val_loss = utils.validation_loss(
+        run.model, run.val_loader, run.device, max_batches, run.loss_fn,
+        run.world_size,
+    )  # fmt: skip
+    return {"val_loss": val_loss}
+
+# %% ../../nbs/78_loops.ipynb #31e396d3
 def sharded_loop(
     run: ShardedRun, save_final: Callable[[ShardedRun], None]
 ) -> list[dict]:
@@ -700,10 +793,12 @@ def sharded_loop(
     cfg, start = run.cfg, resume_sharded(run)
     reporter = None
     if run.rank == 0:  # rank 0 alone logs and shows progress
+        shown = {"loss": ".4f", "lr": ".1e"}
+        if run.preference:
+            shown = {"loss": ".4f", "rewards/margin": ".3f"}
         reporter = StepReporter(
-            run.output_dir, run.total_steps, start.step, "train",
-            {"loss": ".4f", "lr": ".1e"}, cfg.get("progress_bar", True),
-            print_steps=True,
+            run.output_dir, run.total_steps, start.step, "train", shown,
+            cfg.get("progress_bar", True), print_steps=True,
         )  # fmt: skip
     batches = utils.resumable_batches(
         run.loader, run.device, cfg.epochs, run.steps_per_epoch, run.accumulation, start
@@ -711,25 +806,39 @@ def sharded_loop(
     val_every = cfg.get("run_val_every_n_steps", run.steps_per_epoch)
     step = start.step
     for epoch, i, micro in batches:
-        step, started, loss_sum, num_tokens = step + 1, time.perf_counter(), 0.0, 0
-        for batch in micro:  # this rank's micro-batches
-            loss, tokens = utils.forward_loss(run.model, run.loss_fn, batch)
-            loss.backward()
-            loss_sum, num_tokens = loss_sum + loss.item(), num_tokens + tokens
-        metrics = utils.optimizer_step(
-            run.model, run.optimizer, step, loss_sum, num_tokens, started,
-            cfg.get("clip_grad_norm"), run.lr_scheduler, run.world_size,
-        )  # fmt: skip
+        step += 1
+        metrics = _sharded_step(run, micro, step)
         if run.val_loader is not None and step % val_every == 0:
-            metrics["val_loss"] = utils.validation_loss(
-                run.model, run.val_loader, run.device,
-                cfg.get("max_validation_batches"), run.loss_fn, run.world_size,
-            )  # fmt: skip
+            metrics.update(_sharded_validation(run))
         if reporter is not None:
             reporter.report(epoch, metrics)
         save_sharded_step(run, epoch, i + 1, step)
     history = reporter.close() if reporter is not None else []
+    if run.preference and history:  # rank 0
+        print(preference_summary(cfg, history), flush=True)
     save_final(run)
     dist.barrier()  # no rank leaves while rank 0 is still writing
     dist.destroy_process_group()
     return history
+
+
+def save_final_sharded(run: ShardedRun) -> None:
+    """Gather the full weights on rank 0 (every rank takes part) and write them there in
+    Hugging Face format: with LoRA adapters, the merged model and the PEFT adapter.
+    """
+    state = distributed.gather_full_state_dict(run.model)
+    if run.rank != 0:
+        return
+    epoch = run.cfg.epochs - 1
+    if peft.get_adapter_params(run.model):
+        folder = run.checkpointer.save_checkpoint(
+            peft.lora_checkpoint(run.model, state), epoch=epoch
+        )
+        print(
+            f"Saved the merged model (Hugging Face format) to {folder} and the "
+            f"adapter (PEFT format) to {folder / 'adapter'}",
+            flush=True,
+        )
+    else:
+        folder = run.checkpointer.save_checkpoint({"model": state}, epoch=epoch)
+        print(f"Saved the model in Hugging Face format to {folder}", flush=True)

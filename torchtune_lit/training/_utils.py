@@ -11,19 +11,19 @@ __all__ = ['DTYPES', 'RUN_COUNTS', 'get_device', 'get_dtype', 'set_seed', 'scale
            'shift_labels', 'summed_cross_entropy', 'build_loss', 'summed_loss', 'forward_loss', 'optimizer_step',
            'validation_loss']
 
-# %% ../../nbs/71_training_utils.ipynb #cd1bfec0
+# %% ../../nbs/71_training_utils.ipynb #ccfa6c5f
 import json
 import math
 import random
 import time
 from pathlib import Path
-from typing import Any, Iterator, NamedTuple, Optional, Union
+from typing import Any, Callable, Iterator, NamedTuple, Optional, Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-# %% ../../nbs/71_training_utils.ipynb #2b5075a7
+# %% ../../nbs/71_training_utils.ipynb #00b377ed
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -65,7 +65,7 @@ def get_dtype(name: str = "fp32", device: Optional[torch.device] = None) -> torc
         return torch.float32
     return DTYPES[name]
 
-# %% ../../nbs/71_training_utils.ipynb #dc69e6da
+# %% ../../nbs/71_training_utils.ipynb #e3e0c4b9
 def set_seed(seed: int) -> torch.Generator:
     """Seed Python and torch; return a torch Generator seeded the same way (for code
     that draws its own samples).
@@ -91,7 +91,7 @@ def check_loss_is_finite(loss: float, step: int) -> None:
             "for empty or corrupt samples."
         )
 
-# %% ../../nbs/71_training_utils.ipynb #8363eaf2
+# %% ../../nbs/71_training_utils.ipynb #3f5d9a28
 RUN_COUNTS = (  # whole numbers >= 1, or null where the recipe has a default
     "max_steps_per_epoch",
     "gradient_accumulation_steps",
@@ -143,7 +143,7 @@ def check_run_values(cfg: Any) -> None:
             f"optimizer.lr must be >= 0, got {lr!r}: it would train uphill."
         )
 
-# %% ../../nbs/71_training_utils.ipynb #dc88b1be
+# %% ../../nbs/71_training_utils.ipynb #f614786d
 def setup_run(cfg: Any) -> tuple[torch.device, torch.dtype, Path]:
     """(device, dtype, output_dir) for a recipe config, with the seed set. Claims
     output_dir for this run (another run's folder is refused unless resumed or
@@ -167,7 +167,7 @@ def setup_run(cfg: Any) -> tuple[torch.device, torch.dtype, Path]:
     OmegaConf.save(cfg, saved)
     return device, dtype, output_dir
 
-# %% ../../nbs/71_training_utils.ipynb #0d2fafd8
+# %% ../../nbs/71_training_utils.ipynb #19f42d91
 def sampled_loader(
     dataset: Any, cfg: Any, collate_fn: Any, rank: int = 0, world_size: int = 1
 ) -> "DataLoader":
@@ -199,7 +199,7 @@ def sampled_loader(
         )
     return loader
 
-# %% ../../nbs/71_training_utils.ipynb #43a9141f
+# %% ../../nbs/71_training_utils.ipynb #fb460225
 def build_dataloader(
     cfg: Any, tokenizer: Any, rank: int = 0, world_size: int = 1
 ) -> "DataLoader":
@@ -221,10 +221,14 @@ def build_dataloader(
 
 
 def build_validation_loader(
-    cfg: Any, tokenizer: Any, rank: int = 0, world_size: int = 1
+    cfg: Any,
+    tokenizer: Any,
+    rank: int = 0,
+    world_size: int = 1,
+    collate_fn: Optional[Callable] = None,
 ) -> Optional["DataLoader"]:
     """This replica's share of `validation_dataset`, in order with nothing dropped, or
-    None when the config has none.
+    None when the config has none; `collate_fn` defaults to the SFT (or packed) one.
     """
     import torchtune_lit.config as config
     import torchtune_lit.data as data
@@ -238,10 +242,11 @@ def build_validation_loader(
         dataset,
         batch_size=cfg.batch_size,
         sampler=DistributedSampler(dataset, world_size, rank, shuffle=False),
-        collate_fn=data.padded_collate_packed if packed else data.padded_collate_sft,
+        collate_fn=collate_fn
+        or (data.padded_collate_packed if packed else data.padded_collate_sft),
     )
 
-# %% ../../nbs/71_training_utils.ipynb #4b8823cb
+# %% ../../nbs/71_training_utils.ipynb #2e26268d
 class JsonlLogger:
     "Append one JSON object per `log` call to `log_dir/filename`, flushed immediately."
 
@@ -264,7 +269,7 @@ def read_jsonl(path: Union[str, Path]) -> list[dict]:
         json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()
     ]
 
-# %% ../../nbs/71_training_utils.ipynb #e1ecfb99
+# %% ../../nbs/71_training_utils.ipynb #0635a665
 def training_schedule(
     cfg: Any, num_batches: int, optimizer: torch.optim.Optimizer
 ) -> tuple[int, int, int, Any]:
@@ -298,7 +303,7 @@ def training_schedule(
     )
     return accumulation, steps_per_epoch, total_steps, lr_scheduler
 
-# %% ../../nbs/71_training_utils.ipynb #80947585
+# %% ../../nbs/71_training_utils.ipynb #af6afd68
 def capture_rng_state() -> dict[str, Any]:
     "Python's and torch's (and CUDA's) random states now."
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}
@@ -315,7 +320,7 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
-# %% ../../nbs/71_training_utils.ipynb #cb8c8b18
+# %% ../../nbs/71_training_utils.ipynb #e658f6ea
 def latest_step_checkpoint(output_dir: Union[str, Path]) -> Optional[Path]:
     """The newest complete `step_N` folder (one with recipe_state.pt) under
     `output_dir`, or None.
@@ -346,7 +351,7 @@ def prune_step_checkpoints(output_dir: Union[str, Path], keep: int) -> None:
     for old in folders[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
 
-# %% ../../nbs/71_training_utils.ipynb #6cf98800
+# %% ../../nbs/71_training_utils.ipynb #13873268
 def resume_state(
     cfg: Any, model: nn.Module, adapters_only: bool = False
 ) -> Optional[dict[str, Any]]:
@@ -387,7 +392,7 @@ def _load_adapter_weights(model: nn.Module, weights: dict, folder: Path) -> None
             f"(unexpected {unexpected[:3]}); check the LoRA options."
         )
 
-# %% ../../nbs/71_training_utils.ipynb #f1bcc2d9
+# %% ../../nbs/71_training_utils.ipynb #2248b639
 def make_recipe_state(
     optimizer: torch.optim.Optimizer,
     lr_scheduler: Any,
@@ -416,7 +421,7 @@ def restore_training_state(
     if lr_scheduler is not None and state.get("lr_scheduler") is not None:
         lr_scheduler.load_state_dict(state["lr_scheduler"])
 
-# %% ../../nbs/71_training_utils.ipynb #f131c74b
+# %% ../../nbs/71_training_utils.ipynb #1caa3e3b
 class ResumePosition(NamedTuple):
     "Where a loop continues; all zeros (and no random states) for a fresh run."
 
@@ -457,7 +462,7 @@ def truncate_log(path: Union[str, Path], last_step: int) -> None:
         ]
         path.write_text("".join(line + "\n" for line in kept))
 
-# %% ../../nbs/71_training_utils.ipynb #31cfcfaa
+# %% ../../nbs/71_training_utils.ipynb #343d45e1
 def _to_device(batch: Any, device: torch.device) -> Any:
     "A batch (a tensor, a dict or a tuple of tensors) on `device`."
     if isinstance(batch, torch.Tensor):
@@ -491,7 +496,7 @@ def resumable_batches(
                 rng = None
             yield epoch, i, micro
 
-# %% ../../nbs/71_training_utils.ipynb #9d557375
+# %% ../../nbs/71_training_utils.ipynb #f944677b
 def shift_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
     "Labels for next-token prediction: labels[:, 1:] followed by one ignored position."
     return torch.cat(
@@ -519,7 +524,7 @@ def summed_cross_entropy(
         reduction="sum",
     )
 
-# %% ../../nbs/71_training_utils.ipynb #2210a605
+# %% ../../nbs/71_training_utils.ipynb #9d5de341
 def build_loss(cfg: Any, model: nn.Module) -> nn.Module:
     """The config's `loss` component; a chunked loss makes the model return its logits
     in `num_output_chunks` chunks.
@@ -543,7 +548,7 @@ def build_loss(cfg: Any, model: nn.Module) -> nn.Module:
         model.set_num_output_chunks(chunks)
     return loss_fn
 
-# %% ../../nbs/71_training_utils.ipynb #a698982d
+# %% ../../nbs/71_training_utils.ipynb #2a5d2acc
 def _mean_cross_entropy(
     logits: Union[torch.Tensor, list[torch.Tensor]], labels: torch.Tensor
 ) -> torch.Tensor:
@@ -581,7 +586,7 @@ def forward_loss(
     logits = model(batch["tokens"], **kwargs)
     return summed_loss(loss_fn, logits, shift_labels(batch["labels"]))
 
-# %% ../../nbs/71_training_utils.ipynb #fe7bcd7f
+# %% ../../nbs/71_training_utils.ipynb #b74a06ee
 def optimizer_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -625,7 +630,7 @@ def optimizer_step(
     metrics["tokens_per_second"] = num_tokens / (time.perf_counter() - started)
     return metrics
 
-# %% ../../nbs/71_training_utils.ipynb #4a8ac5bd
+# %% ../../nbs/71_training_utils.ipynb #6de06541
 @torch.no_grad()
 def validation_loss(
     model: nn.Module,
