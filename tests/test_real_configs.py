@@ -15,7 +15,7 @@ REAL = [c for r in get_all_recipes() for c in r.configs if not c.name.startswith
 # the transformers model built from it on the meta device
 REFERENCE = {"llama3_2/1B": "llama3_2.llama3_2_1b", "llama3_2/3B": "llama3_2.llama3_2_3b", "llama3_1/8B": "llama3_1.llama3_1_8b",
              "qwen2_5/0.5B": "qwen2_5.qwen2_5_0_5b", "qwen2_5/1.5B": "qwen2_5.qwen2_5_1_5b", "qwen2_5/7B": "qwen2_5.qwen2_5_7b",
-             "gemma2/2B": "gemma2.gemma2_2b", "mistral/7B": "mistral.mistral_7b_v0_3"}
+             "gemma2/2B": "gemma2.gemma2_2b", "qwen3/0.6B": "qwen3.qwen3_0_6b", "mistral/7B": "mistral.mistral_7b_v0_3"}
 
 
 def reference_parameters(size: str) -> int:
@@ -30,7 +30,7 @@ def test_every_family_has_its_configs():
     names = {c.name for c in REAL}
     assert {"llama3_2/1B_full", "llama3_2/1B_lora", "llama3_2/1B_qlora", "llama3_2/3B_lora", "llama3_1/8B_lora",
             "llama3_1/8B_qlora", "llama3_1/8B_full", "qwen2_5/0.5B_lora", "qwen2_5/1.5B_lora", "qwen2_5/7B_lora",
-            "gemma2/2B_lora", "mistral/7B_lora"} <= names
+            "gemma2/2B_lora", "mistral/7B_lora", "qwen3/0.6B_lora"} <= names
 
 
 @pytest.mark.parametrize("entry", REAL, ids=lambda c: c.name)
@@ -59,7 +59,7 @@ def test_real_config(entry):
     assert estimate.total / 2**30 < budget_gib, (entry.name, estimate.summary())
 
 
-PREFERENCE = {"lora_dpo_single_device", "full_dpo_single_device"}
+PREFERENCE = {"lora_dpo_single_device", "full_dpo_single_device", "lora_dpo_distributed", "full_dpo_distributed"}
 TRAINING = {"full_finetune_single_device", "full_finetune_distributed", "lora_finetune_single_device",
             "lora_finetune_distributed", "knowledge_distillation_single_device", *PREFERENCE}
 TRAINING_CONFIGS = [c for r in get_all_recipes() if r.name in TRAINING for c in r.configs]

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['NORMS', 'build_mlp', 'build_attention', 'build_layer', 'build_decoder']
 
-# %% ../../nbs/20_decoder_builder.ipynb #7f01cdb1
+# %% ../../nbs/20_decoder_builder.ipynb #ada3f611
 from typing import Callable, Optional, Sequence
 
 from torch import nn
@@ -19,7 +19,7 @@ from torchtune_lit.modules.transformer import (
     TransformerSelfAttentionLayer,
 )
 
-# %% ../../nbs/20_decoder_builder.ipynb #18e2498a
+# %% ../../nbs/20_decoder_builder.ipynb #caeeb91b
 NORMS = {"rms": RMSNorm, "gemma": GemmaRMSNorm}
 
 
@@ -34,7 +34,7 @@ def build_mlp(
         activation=activation or nn.SiLU(),
     )
 
-# %% ../../nbs/20_decoder_builder.ipynb #1e19869f
+# %% ../../nbs/20_decoder_builder.ipynb #95da75aa
 def build_attention(
     *,
     embed_dim: int,
@@ -48,9 +48,10 @@ def build_attention(
     attn_scale: Optional[float] = None,
     attn_softcapping: Optional[float] = None,
     sliding_window: Optional[int] = None,
+    qk_norm: Optional[Callable[[], nn.Module]] = None,
 ) -> MultiHeadAttention:
     """Grouped-query attention with `nn.Linear` projections (q/k/v biases when
-    `attn_bias`; never on the output).
+    `attn_bias`; never on the output); `qk_norm` makes the per-head norm of q and k.
     """
     return MultiHeadAttention(
         embed_dim=embed_dim,
@@ -67,9 +68,11 @@ def build_attention(
         scale=attn_scale,
         softcapping=attn_softcapping,
         sliding_window=sliding_window,
+        q_norm=qk_norm() if qk_norm else None,
+        k_norm=qk_norm() if qk_norm else None,
     )
 
-# %% ../../nbs/20_decoder_builder.ipynb #226b4c76
+# %% ../../nbs/20_decoder_builder.ipynb #9051940c
 def _norm_factory(norm: str, dim: int, eps: float) -> Callable[[], nn.Module]:
     "A function that makes a fresh norm of kind `norm` ('rms' or 'gemma') each call."
     if norm not in NORMS:
@@ -95,7 +98,7 @@ def build_layer(
         mlp_scale=make_norm() if post_norms else None,
     )
 
-# %% ../../nbs/20_decoder_builder.ipynb #1197704d
+# %% ../../nbs/20_decoder_builder.ipynb #0cc4cf50
 def _output_projection(embeddings: nn.Embedding, tied: bool) -> nn.Module:
     "The embedding matrix reused (`TiedLinear`) or a bias-free matrix of its own."
     if tied:
@@ -114,7 +117,7 @@ def _head_dim(embed_dim: int, num_heads: int, head_dim: Optional[int]) -> int:
         )
     return embed_dim // num_heads
 
-# %% ../../nbs/20_decoder_builder.ipynb #7c7e9f0c
+# %% ../../nbs/20_decoder_builder.ipynb #7efe2cb6
 def build_decoder(
     *,
     vocab_size: int,
@@ -139,12 +142,14 @@ def build_decoder(
     sliding_layers: Optional[Sequence[int]] = None,
     embed_scale: Optional[float] = None,
     final_logit_softcapping: Optional[float] = None,
+    qk_norm: bool = False,
 ) -> TransformerDecoder:
     """A decoder-only transformer with the given architecture; every family builder
-    calls this. `rope` is shared by all layers.
+    calls this. `rope` is shared by all layers; `qk_norm` adds the per-head q/k norm.
     """
     make_norm = _norm_factory(norm, embed_dim, norm_eps)
     head_dim = _head_dim(embed_dim, num_heads, head_dim)
+    head_norm = _norm_factory(norm, head_dim, norm_eps) if qk_norm else None
     windowed = set(range(num_layers) if sliding_layers is None else sliding_layers)
     layers = [
         build_layer(
@@ -160,6 +165,7 @@ def build_decoder(
                 attn_scale=attn_scale,
                 attn_softcapping=attn_softcapping,
                 sliding_window=sliding_window if i in windowed else None,
+                qk_norm=head_norm,
             ),
             build_mlp(embed_dim, intermediate_dim, mlp_activation),
             make_norm,

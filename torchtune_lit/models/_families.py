@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['MODEL_FAMILIES', 'ModelFamily', 'get_family']
 
-# %% ../../nbs/29_model_families.ipynb #2d016f08
+# %% ../../nbs/29_model_families.ipynb #7d0ea905
 import math
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -27,7 +27,7 @@ class ModelFamily:
     decoder_settings: Callable[[dict[str, Any]], dict[str, Any]]
     chat_format: str  # its chat format's class in torchtune_lit.tokenizers
 
-# %% ../../nbs/29_model_families.ipynb #11c2863b
+# %% ../../nbs/29_model_families.ipynb #360df833
 _COMMON_KEYS = {
     "model.embed_tokens.weight": "tok_embeddings.weight",
     "model.norm.weight": "norm.scale",
@@ -49,6 +49,12 @@ _LLAMA_KEYS = {
     **_COMMON_KEYS,
     "model.layers.{}.post_attention_layernorm.weight": "layers.{}.mlp_norm.scale",
 }
+# Qwen 3: Llama's names and the per-head q/k norms
+_QWEN3_KEYS = {
+    **_LLAMA_KEYS,
+    "model.layers.{}.self_attn.q_norm.weight": "layers.{}.attn.q_norm.scale",
+    "model.layers.{}.self_attn.k_norm.weight": "layers.{}.attn.k_norm.scale",
+}
 _GEMMA2_KEYS = {
     **_COMMON_KEYS,
     "model.layers.{}.post_attention_layernorm.weight": "layers.{}.sa_scale.scale",
@@ -56,7 +62,7 @@ _GEMMA2_KEYS = {
     "model.layers.{}.post_feedforward_layernorm.weight": "layers.{}.mlp_scale.scale",
 }
 
-# %% ../../nbs/29_model_families.ipynb #1564e27f
+# %% ../../nbs/29_model_families.ipynb #124dc8a6
 def _check_swiglu(cfg: dict[str, Any], model_type: str) -> None:
     "Refuse an MLP other than SwiGLU without biases (Llama, Qwen 2 and Mistral's)."
     activation = cfg.get("hidden_act", "silu")
@@ -94,7 +100,18 @@ def _mistral_settings(cfg: dict[str, Any]) -> dict[str, Any]:
     _check_swiglu(cfg, "mistral")
     return dict(sliding_window=cfg.get("sliding_window"))
 
-# %% ../../nbs/29_model_families.ipynb #6a0ff136
+
+def _qwen3_settings(cfg: dict[str, Any]) -> dict[str, Any]:
+    "Qwen 3: a per-head RMSNorm on q and k, no biases."
+    _check_swiglu(cfg, "qwen3")
+    if cfg.get("attention_bias") or cfg.get("use_sliding_window"):
+        raise NotImplementedError(
+            "qwen3 with attention_bias=true or use_sliding_window=true is not "
+            "supported yet (no published Qwen 3 checkpoint sets them)."
+        )
+    return dict(qk_norm=True)
+
+# %% ../../nbs/29_model_families.ipynb #e2747d21
 def _gemma2_settings(cfg: dict[str, Any]) -> dict[str, Any]:
     "Gemma 2: post-norms, GeGLU, score scale, soft-caps, scaled embeddings, windows."
     layer_types = cfg.get("layer_types") or [
@@ -115,7 +132,7 @@ def _gemma2_settings(cfg: dict[str, Any]) -> dict[str, Any]:
         ],
     )
 
-# %% ../../nbs/29_model_families.ipynb #925aa806
+# %% ../../nbs/29_model_families.ipynb #bd5710ae
 MODEL_FAMILIES = {
     family.hf_model_type: family
     for family in (
@@ -140,6 +157,14 @@ MODEL_FAMILIES = {
             chat_format="ChatMLFormat",
         ),
         ModelFamily(
+            hf_model_type="qwen3",
+            tune_model_types={"QWEN3": "qwen3"},
+            key_map=_QWEN3_KEYS,
+            tied_by_default=False,
+            decoder_settings=_qwen3_settings,
+            chat_format="ChatMLFormat",
+        ),
+        ModelFamily(
             hf_model_type="mistral",
             tune_model_types={"MISTRAL": "mistral"},
             key_map=_LLAMA_KEYS,
@@ -158,7 +183,7 @@ MODEL_FAMILIES = {
     )
 }
 
-# %% ../../nbs/29_model_families.ipynb #14b4969e
+# %% ../../nbs/29_model_families.ipynb #1cbab41c
 def get_family(model_type: str) -> ModelFamily:
     """The family of a Hugging Face model_type ('qwen2') or of one of torchtune's names
     for it ('QWEN2_5').

@@ -6,7 +6,7 @@
 __all__ = ['KEY_MAPS', 'PEFT_MODULE_NAMES', 'permute_hf_to_meta', 'permute_meta_to_hf', 'CheckpointConversionError', 'hf_to_tune',
            'tune_to_hf', 'tune_to_peft_adapter_weights', 'tune_to_peft_adapter_config']
 
-# %% ../../nbs/30_convert_weights.ipynb #2395c2ed
+# %% ../../nbs/30_convert_weights.ipynb #999f627a
 import re
 from typing import Optional
 
@@ -14,7 +14,7 @@ import torch
 
 from ._families import MODEL_FAMILIES
 
-# %% ../../nbs/30_convert_weights.ipynb #c845a16e
+# %% ../../nbs/30_convert_weights.ipynb #a434317f
 def permute_hf_to_meta(t: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
     """Reorder the rows of a q/k projection weight [heads*head_dim, in] or bias
     [heads*head_dim] from rotate-half to interleaved pairs.
@@ -36,13 +36,26 @@ def permute_meta_to_hf(t: torch.Tensor, num_heads: int, head_dim: int) -> torch.
         .reshape(num_heads * head_dim, *rest)
     )
 
-# %% ../../nbs/30_convert_weights.ipynb #00b06ff7
+# %% ../../nbs/30_convert_weights.ipynb #4a342e2c
 # model_type -> {Hugging Face key: ours}, from each family's declaration
 KEY_MAPS = {model_type: family.key_map for model_type, family in MODEL_FAMILIES.items()}
 
-# %% ../../nbs/30_convert_weights.ipynb #788d2388
+# %% ../../nbs/30_convert_weights.ipynb #f6fe7c54
 _IGNORED_HF_KEYS = re.compile(r".*rotary_emb\.inv_freq$")
-_ROPE_ROWS = re.compile(r"layers\.\d+\.attn\.([qk])_proj\.(weight|bias)$")
+_ROPE_ROWS = re.compile(
+    r"layers\.\d+\.attn\.([qk])_(proj\.(?:weight|bias)|norm\.scale)$"
+)
+
+
+def _rope_blocks(key: str, num_heads: int, num_kv_heads: int) -> Optional[int]:
+    """How many head_dim blocks of `key`'s rows RoPE orders — one per head for the q/k
+    projections, one for a per-head q/k norm gain (Qwen 3) — or None."""
+    match = _ROPE_ROWS.search(key)
+    if match is None:
+        return None
+    if match.group(2) == "norm.scale":
+        return 1
+    return num_heads if match.group(1) == "q" else num_kv_heads
 
 
 class CheckpointConversionError(KeyError):
@@ -72,7 +85,7 @@ def _translate(key: str, table: dict[str, str]) -> Optional[str]:
         return None
     return table[generic].format(match.group(1)) if match else table[generic]
 
-# %% ../../nbs/30_convert_weights.ipynb #0876ad96
+# %% ../../nbs/30_convert_weights.ipynb #ab77a9a3
 def hf_to_tune(
     state_dict: dict[str, torch.Tensor],
     num_heads: int,
@@ -100,10 +113,9 @@ def hf_to_tune(
         if new_key is None:
             unknown.append(key)
             continue
-        rope_rows = _ROPE_ROWS.search(new_key)
-        if rope_rows:
-            heads = num_heads if rope_rows.group(1) == "q" else num_kv_heads
-            value = permute_hf_to_meta(value, heads, head_dim)
+        blocks = _rope_blocks(new_key, num_heads, num_kv_heads)
+        if blocks:
+            value = permute_hf_to_meta(value, blocks, head_dim)
         converted[new_key] = value
     if unknown:
         raise CheckpointConversionError(
@@ -113,7 +125,7 @@ def hf_to_tune(
         )
     return converted
 
-# %% ../../nbs/30_convert_weights.ipynb #73587572
+# %% ../../nbs/30_convert_weights.ipynb #7285212c
 def tune_to_hf(
     state_dict: dict[str, torch.Tensor],
     num_heads: int,
@@ -134,10 +146,9 @@ def tune_to_hf(
         if new_key is None:
             unknown.append(key)
             continue
-        rope_rows = _ROPE_ROWS.search(key)
-        if rope_rows:
-            heads = num_heads if rope_rows.group(1) == "q" else num_kv_heads
-            value = permute_meta_to_hf(value, heads, head_dim)
+        blocks = _rope_blocks(key, num_heads, num_kv_heads)
+        if blocks:
+            value = permute_meta_to_hf(value, blocks, head_dim)
         converted[new_key] = value
     if unknown:
         raise CheckpointConversionError(
@@ -146,7 +157,7 @@ def tune_to_hf(
         )
     return converted
 
-# %% ../../nbs/30_convert_weights.ipynb #2a371639
+# %% ../../nbs/30_convert_weights.ipynb #5a1c3569
 PEFT_MODULE_NAMES = {
     "q_proj": "q_proj",
     "k_proj": "k_proj",
@@ -199,7 +210,7 @@ def tune_to_peft_adapter_weights(
         ] = value
     return converted
 
-# %% ../../nbs/30_convert_weights.ipynb #6f21b4d5
+# %% ../../nbs/30_convert_weights.ipynb #ba449295
 def tune_to_peft_adapter_config(
     adapter_config: dict, base_model_name_or_path: Optional[str] = None
 ) -> dict:
