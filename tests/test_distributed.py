@@ -96,13 +96,17 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def test_killed_distributed_run_resumes_exactly_from_sharded_checkpoint(tmp_path):
+@pytest.mark.parametrize("recipe,config,port", [
+    ("full_finetune_distributed", "tiny/full_distributed", "29519"),
+    ("lora_dpo_distributed", "tiny/lora_dpo_distributed", "29527"),
+])
+def test_killed_distributed_run_resumes_exactly_from_sharded_checkpoint(tmp_path, recipe, config, port):
     import os
     import signal
     import time
-    args = ["--config", "tiny/full_distributed", "batch_size=2", "epochs=2", "max_steps_per_epoch=5",
+    args = ["--config", config, "batch_size=2", "epochs=2", "max_steps_per_epoch=5",
             "save_every_n_steps=3", "keep_last_n_checkpoints=2"]
-    launch = [TUNELIT, "run", "--nproc_per_node", "2", "--master_port", "29519", "full_finetune_distributed"]
+    launch = [TUNELIT, "run", "--nproc_per_node", "2", "--master_port", port, recipe]
     reference = subprocess.run([*launch, *args, f"output_dir={tmp_path / 'reference'}"], capture_output=True, text=True,
                                timeout=600)
     assert reference.returncode == 0, reference.stderr[-3000:]
