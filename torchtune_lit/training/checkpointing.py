@@ -6,7 +6,7 @@
 __all__ = ['MODEL_TYPES', 'SUPPORT_FILES', 'CheckpointError', 'FullModelHFCheckpointer', 'load_model_state_dict',
            'check_state_dict', 'write_hf_weights', 'load_model_for_eval', 'load_model', 'load_lora_model']
 
-# %% ../../nbs/70_checkpointing.ipynb #daec652d
+# %% ../../nbs/70_checkpointing.ipynb #dca09b40
 import errno
 import json
 import os
@@ -27,7 +27,7 @@ from torchtune_lit.models.convert_weights import (
     tune_to_peft_adapter_weights,
 )
 
-# %% ../../nbs/70_checkpointing.ipynb #aa93ce26
+# %% ../../nbs/70_checkpointing.ipynb #1bee2586
 class CheckpointError(ValueError):
     """A checkpoint that cannot be read or does not fit the model; the message names
     files, keys and shapes.
@@ -63,7 +63,7 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
             f"corrupt ({path.stat().st_size:,} bytes): download it again."
         ) from e
 
-# %% ../../nbs/70_checkpointing.ipynb #1d9a0527
+# %% ../../nbs/70_checkpointing.ipynb #4e90d9b9
 class FullModelHFCheckpointer:
     """Reads and writes full models in Hugging Face format.
 
@@ -121,7 +121,7 @@ class FullModelHFCheckpointer:
             )
         return in_config
 
-# %% ../../nbs/70_checkpointing.ipynb #8fe3328d
+# %% ../../nbs/70_checkpointing.ipynb #13e49ceb
 def _resolve_files(
     self: "FullModelHFCheckpointer", checkpoint_files: Optional[Iterable[str]]
 ) -> list[Path]:
@@ -150,7 +150,7 @@ def _resolve_files(
 
 FullModelHFCheckpointer._resolve_files = _resolve_files
 
-# %% ../../nbs/70_checkpointing.ipynb #55a6ad36
+# %% ../../nbs/70_checkpointing.ipynb #9ed448b0
 def _load_checkpoint(
     self: "FullModelHFCheckpointer",
 ) -> dict[str, dict[str, torch.Tensor]]:
@@ -204,7 +204,7 @@ def _check_config_fits(
             "different models. Fix config.json, or download the folder again."
         )
 
-# %% ../../nbs/70_checkpointing.ipynb #cf384dd4
+# %% ../../nbs/70_checkpointing.ipynb #ef842bd0
 def load_model_state_dict(
     model: nn.Module,
     state_dict: dict[str, torch.Tensor],
@@ -252,7 +252,7 @@ def check_state_dict(
             "the matching model)."
         )
 
-# %% ../../nbs/70_checkpointing.ipynb #0a9bc1d9
+# %% ../../nbs/70_checkpointing.ipynb #3312d899
 def _shard(
     state_dict: dict[str, torch.Tensor], max_shard_bytes: int
 ) -> list[dict[str, torch.Tensor]]:
@@ -297,7 +297,7 @@ def write_hf_weights(
         )
     )
 
-# %% ../../nbs/70_checkpointing.ipynb #b2f40a95
+# %% ../../nbs/70_checkpointing.ipynb #f92db807
 def _write_peft_adapter(
     self: "FullModelHFCheckpointer",
     state_dict: dict[str, Any],
@@ -332,7 +332,7 @@ def _write_peft_adapter(
 
 FullModelHFCheckpointer._write_peft_adapter = _write_peft_adapter
 
-# %% ../../nbs/70_checkpointing.ipynb #aca9801b
+# %% ../../nbs/70_checkpointing.ipynb #9fe77502
 SUPPORT_FILES = (
     "config.json",
     "generation_config.json",
@@ -393,7 +393,7 @@ def _write_checkpoint_files(
 
 FullModelHFCheckpointer._write_checkpoint_files = _write_checkpoint_files
 
-# %% ../../nbs/70_checkpointing.ipynb #394f66ec
+# %% ../../nbs/70_checkpointing.ipynb #9a7f3137
 def _replace_folder(tmp: Path, final: Path) -> None:
     """Move the finished `tmp` folder to `final`; an older `final` is set aside first
     and removed last.
@@ -417,7 +417,7 @@ def _recover_interrupted_save(final: Path) -> None:
     if old.exists() and not final.exists():
         os.replace(old, final)
 
-# %% ../../nbs/70_checkpointing.ipynb #16abda0e
+# %% ../../nbs/70_checkpointing.ipynb #d042ba2f
 def _save_checkpoint(
     self: "FullModelHFCheckpointer",
     state_dict: dict[str, Any],
@@ -470,7 +470,7 @@ def _disk_full(error: Exception, folder: Path) -> bool:
 
 FullModelHFCheckpointer.save_checkpoint = _save_checkpoint
 
-# %% ../../nbs/70_checkpointing.ipynb #8e6beea1
+# %% ../../nbs/70_checkpointing.ipynb #55890495
 def load_model_for_eval(
     checkpointer: FullModelHFCheckpointer, device: torch.device, dtype: torch.dtype
 ) -> nn.Module:
@@ -482,7 +482,7 @@ def load_model_for_eval(
     load_model_state_dict(model, checkpointer.load_checkpoint()["model"])
     return model.to(device=device, dtype=dtype).eval()
 
-# %% ../../nbs/70_checkpointing.ipynb #31cc3a81
+# %% ../../nbs/70_checkpointing.ipynb #ccaee511
 def load_model(
     cfg: Any,
     checkpointer: FullModelHFCheckpointer,
@@ -492,8 +492,16 @@ def load_model(
     """The config's model with the checkpoint's weights (or its own initialisation when
     there are no checkpoint files)."""
     import torchtune_lit.config as config
+    import torchtune_lit.modules.peft as peft
 
     model = config.instantiate(cfg.model)
+    if peft.get_adapter_params(model):
+        raise ValueError(
+            f"{cfg.model._component_} builds LoRA adapters, which a full-weight recipe "
+            "cannot load from the base checkpoint; use a LoRA recipe (e.g. "
+            "lora_finetune_single_device, lora_dpo_single_device) or a builder "
+            "without lora_."
+        )
     state = checkpointer.load_checkpoint()["model"]
     if state:
         load_model_state_dict(model, state)
@@ -501,7 +509,7 @@ def load_model(
         print("No checkpoint files: training from the model's initialisation.")
     return _prepare(cfg, model.to(device=device, dtype=dtype))
 
-
+# %% ../../nbs/70_checkpointing.ipynb #cb68d8a5
 def load_lora_model(
     cfg: Any,
     checkpointer: FullModelHFCheckpointer,
@@ -515,6 +523,12 @@ def load_lora_model(
 
     model = config.instantiate(cfg.model)
     adapter_params = peft.get_adapter_params(model)
+    if not adapter_params:
+        raise ValueError(
+            f"{cfg.model._component_} builds no LoRA adapters, so a LoRA recipe would "
+            "train nothing; name a lora_ builder (e.g. torchtune_lit.models.tiny."
+            "lora_tiny_llama) or use a full-weight recipe."
+        )
     load_model_state_dict(
         model, checkpointer.load_checkpoint()["model"], allowed_missing=adapter_params
     )
