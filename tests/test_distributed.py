@@ -99,6 +99,7 @@ def descendants(pid: int) -> list[int]:
 @pytest.mark.parametrize("recipe,config,port", [
     ("full_finetune_distributed", "tiny/full_distributed", "29519"),
     ("lora_dpo_distributed", "tiny/lora_dpo_distributed", "29527"),
+    ("knowledge_distillation_distributed", "tiny/kd_distributed", "29537"),
 ])
 def test_killed_distributed_run_resumes_exactly_from_sharded_checkpoint(tmp_path, recipe, config, port):
     import os

@@ -153,6 +153,28 @@ def _preference_recipes() -> list[Recipe]:
         ),
     ]
 
+# %% ../nbs/02_recipe_registry.ipynb #5f0d185f
+def _rl_recipes() -> list[Recipe]:
+    "GRPO with verifiable rewards; LoRA through the model builder; one or more devices."
+    return [
+        Recipe(
+            name="grpo_full_finetune_single_device",
+            file_path="grpo_full_finetune_single_device.py",
+            configs=[Config(name="tiny/grpo", file_path="tiny/grpo.yaml")],
+            supports_distributed=False,
+        ),
+        Recipe(
+            name="grpo_full_finetune_distributed",
+            file_path="grpo_full_finetune_distributed.py",
+            configs=[
+                Config(
+                    name="tiny/grpo_distributed", file_path="tiny/grpo_distributed.yaml"
+                )
+            ],
+            supports_distributed=True,
+        ),
+    ]
+
 # %% ../nbs/02_recipe_registry.ipynb #0e8a664b
 def _more_recipes() -> list[Recipe]:
     "Distillation, evaluation, quantization and generation."
@@ -166,8 +188,19 @@ def _more_recipes() -> list[Recipe]:
         Recipe(
             name="knowledge_distillation_single_device",
             file_path="knowledge_distillation_single_device.py",
-            configs=[Config(name="tiny/kd", file_path="tiny/kd.yaml")],
+            configs=[
+                Config(name="tiny/kd", file_path="tiny/kd.yaml"),
+                Config(name="tiny/kd_lora", file_path="tiny/kd_lora.yaml"),
+            ],
             supports_distributed=False,
+        ),
+        Recipe(
+            name="knowledge_distillation_distributed",
+            file_path="knowledge_distillation_distributed.py",
+            configs=[
+                Config(name="tiny/kd_distributed", file_path="tiny/kd_distributed.yaml")
+            ],
+            supports_distributed=True,
         ),
         Recipe(
             name="eleuther_eval",
@@ -198,6 +231,7 @@ def get_all_recipes() -> list[Recipe]:
         _full_finetune_recipes()
         + _lora_recipes()
         + _preference_recipes()
+        + _rl_recipes()
         + _more_recipes()
     )
 
@@ -311,6 +345,10 @@ RECIPE_CONFIG_KEYS |= {
 
 # %% ../nbs/02_recipe_registry.ipynb #81c8e145
 RECIPE_CONFIG_KEYS |= {
+    # GRPO
+    "reward_functions": "GRPO: reward components, summed per answer",
+    "group_size": "GRPO: answers sampled per prompt",
+    "ppo_epochs": "GRPO: optimizer steps per batch of samples",
     # distillation
     "teacher_model": "the teacher's model builder",
     "teacher_checkpointer": "reads the teacher's weights",

@@ -72,9 +72,11 @@ def _decode(
     sampling: dict,
     stop_tokens: Optional[Sequence[int]],
     pad_id: int,
+    stop_early: bool = True,
 ) -> list[torch.Tensor]:
     """The new token of each row [batch], step by step: a prefill over the left-padded
-    prompt, then one column a step through the KV cache.
+    prompt, then one column a step through the KV cache; with `stop_early`, until every
+    row has stopped.
     """
     device = tokens.device
     batch, prompt_len = tokens.shape
@@ -101,7 +103,7 @@ def _decode(
         token = torch.where(done, torch.full_like(token, pad_id), token)
         generated.append(token)
         done |= torch.isin(token, stop)
-        if done.all() or step == max_new_tokens - 1:
+        if (stop_early and done.all()) or step == max_new_tokens - 1:
             break
         column = prompt_len + step
         visible[:, column] = True
@@ -148,10 +150,13 @@ def generate(
     stop_tokens: Optional[Sequence[int]] = None,
     rng: Optional[torch.Generator] = None,
     pad_id: int = 0,
+    stop_early: bool = True,
 ) -> list[list[int]]:
     """Generate up to `max_new_tokens` after each prompt (a [seq] / [batch, seq] tensor
     or a list of token lists of any lengths); returns the new tokens of each prompt,
-    ending at (and including) a stop token when one is produced.
+    ending at (and including) a stop token when one is produced. `stop_early=False`
+    runs all `max_new_tokens` forwards even once every row has stopped, as a model
+    sharded over processes needs (each forward is a collective).
     """
     check_sampling(max_new_tokens, temperature, top_k, top_p)
     device = next(model.parameters()).device
@@ -171,8 +176,9 @@ def generate(
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, rng=rng)
     try:
         generated = _decode(
-            model, tokens, padding, max_new_tokens, sampling, stop_tokens, pad_id
-        )
+            model, tokens, padding, max_new_tokens, sampling, stop_tokens, pad_id,
+            stop_early,
+        )  # fmt: skip
     finally:
         model.remove_caches()
         model.train(was_training)

@@ -6,7 +6,7 @@
 __all__ = ['load_teacher', 'check_same_vocabulary', 'kd_step', 'build_losses', 'held_out_batches', 'kl_to_teacher', 'KDRun',
            'setup', 'student_weights', 'train_loop', 'save_student', 'train', 'recipe_main']
 
-# %% ../../nbs/85_knowledge_distillation_single_device.ipynb #83a1041e
+# %% ../../nbs/85_knowledge_distillation_single_device.ipynb #f1db2cfe
 import json
 import sys
 import time
@@ -19,9 +19,11 @@ from omegaconf import DictConfig
 
 import torchtune_lit.config as config
 import torchtune_lit.modules.loss as losses
+import torchtune_lit.modules.peft as peft
 import torchtune_lit.training as training
+import torchtune_lit.training._distributed as distributed
 
-# %% ../../nbs/85_knowledge_distillation_single_device.ipynb #09980c06
+# %% ../../nbs/85_knowledge_distillation_single_device.ipynb #1d7c253f
 def load_teacher(
     cfg: DictConfig, device: torch.device, dtype: torch.dtype
 ) -> torch.nn.Module:
@@ -47,7 +49,7 @@ def check_same_vocabulary(student: torch.nn.Module, teacher: torch.nn.Module) ->
             "same tokenizer."
         )
 
-# %% ../../nbs/85_knowledge_distillation_single_device.ipynb #f24e81f4
+# %% ../../nbs/85_knowledge_distillation_single_device.ipynb #425e2595
 def kd_step(
     student,
     teacher,
@@ -59,11 +61,13 @@ def kd_step(
     kd_loss_fn,
     clip_grad_norm=None,
     lr_scheduler=None,
+    world_size: int = 1,
 ) -> dict:
     """One optimizer step of (1 - kd_ratio) * `loss_fn` (cross-entropy) + kd_ratio *
-    `kd_loss_fn` (KD), both summed over trained tokens, normalised by the step's.
+    `kd_loss_fn` (KD), both summed over trained tokens, normalised by the step's (over
+    all `world_size` processes).
     """
-    start = time.perf_counter()
+    started = time.perf_counter()
     ce_sum, kd_sum, tokens = 0.0, 0.0, 0
     for batch in micro_batches:
         labels = training.shift_labels(batch["labels"])
@@ -76,33 +80,21 @@ def kd_step(
         ((1 - kd_ratio) * ce + kd_ratio * kd).backward()
         ce_sum, kd_sum = ce_sum + ce.item(), kd_sum + kd.item()
         tokens += batch_tokens
-    if tokens == 0:
-        raise ValueError(
-            f"step {step} has no trained token; check the dataset's "
-            "masking and max_seq_len."
+    # add up over processes, check, scale by the step's tokens, clip, step
+    metrics = training.optimizer_step(
+        student, optimizer, step, (1 - kd_ratio) * ce_sum + kd_ratio * kd_sum,
+        tokens, started, clip_grad_norm, lr_scheduler, world_size,
+    )  # fmt: skip
+    if world_size > 1:
+        device = next(student.parameters()).device
+        ce_sum, kd_sum = (
+            distributed.all_reduce_sum(x, device) for x in (ce_sum, kd_sum)
         )
-    loss = ((1 - kd_ratio) * ce_sum + kd_ratio * kd_sum) / tokens
-    training.check_loss_is_finite(loss, step)
-    training.scale_grads(student, 1.0 / tokens)
-    if clip_grad_norm:
-        torch.nn.utils.clip_grad_norm_(
-            [p for p in student.parameters() if p.requires_grad], clip_grad_norm
-        )
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    if lr_scheduler is not None:
-        lr_scheduler.step()
-    return {
-        "step": step,
-        "loss": loss,
-        "ce_loss": ce_sum / tokens,
-        "kd_loss": kd_sum / tokens,
-        "lr": optimizer.param_groups[0]["lr"],
-        "tokens": tokens,
-        "tokens_per_second": tokens / (time.perf_counter() - start),
-    }
+    metrics["ce_loss"] = ce_sum / metrics["tokens"]
+    metrics["kd_loss"] = kd_sum / metrics["tokens"]
+    return metrics
 
-# %% ../../nbs/85_knowledge_distillation_single_device.ipynb #6fc1fde7
+# %% ../../nbs/85_knowledge_distillation_single_device.ipynb #d656d2a1
 def _pieces(chunks: int) -> str:
     return f"{chunks} chunks" if chunks else "one tensor"
 
@@ -133,10 +125,12 @@ def build_losses(
         teacher.set_num_output_chunks(kd_chunks)
     return loss_fn, kd_loss_fn
 
-# %% ../../nbs/85_knowledge_distillation_single_device.ipynb #e0d3fe88
-def held_out_batches(cfg: DictConfig, tokenizer, device: torch.device) -> list[dict]:
-    """Up to `kl_eval_batches` batches of `kl_eval_dataset` (data the student does not
-    train on), unshuffled.
+# %% ../../nbs/85_knowledge_distillation_single_device.ipynb #2590c385
+def held_out_batches(
+    cfg: DictConfig, tokenizer, device: torch.device, batch_size: Optional[int] = None
+) -> list[dict]:
+    """Up to `kl_eval_batches` batches of `batch_size` (default: the config's) rows of
+    `kl_eval_dataset` (data the student does not train on), unshuffled.
     """
     from torch.utils.data import DataLoader
     import torchtune_lit.data as data
@@ -144,7 +138,7 @@ def held_out_batches(cfg: DictConfig, tokenizer, device: torch.device) -> list[d
     dataset = config.instantiate(cfg.kl_eval_dataset, tokenizer)
     loader = DataLoader(
         dataset,
-        batch_size=cfg.batch_size,
+        batch_size=batch_size or cfg.batch_size,
         shuffle=False,
         collate_fn=data.padded_collate_sft,
     )
@@ -177,7 +171,7 @@ def kl_to_teacher(student, teacher, batches: list[dict]) -> float:
     student.train(was_training)
     return total / max(tokens, 1)
 
-# %% ../../nbs/85_knowledge_distillation_single_device.ipynb #6c761281
+# %% ../../nbs/85_knowledge_distillation_single_device.ipynb #99e8aff6
 @dataclass
 class KDRun:
     "What the distillation loop uses, built by `setup`."
@@ -200,12 +194,13 @@ class KDRun:
     total_steps: int
     kl_before: Optional[float] = None  # measured by the loop before its first step
 
-# %% ../../nbs/85_knowledge_distillation_single_device.ipynb #2b1c3b2b
+# %% ../../nbs/85_knowledge_distillation_single_device.ipynb #c67bb90d
 def setup(cfg: DictConfig) -> KDRun:
     "Everything before the first step of the distillation recipe described by `cfg`."
     device, dtype, output_dir = training.setup_run(cfg)
     checkpointer = config.instantiate(cfg.checkpointer)
-    student = training.load_model(cfg, checkpointer, device, dtype)
+    load = training.load_lora_model if training.uses_lora(cfg) else training.load_model
+    student = load(cfg, checkpointer, device, dtype)
     teacher = load_teacher(cfg, device, dtype)
     check_same_vocabulary(student, teacher)
     tokenizer = config.instantiate(cfg.tokenizer)
@@ -245,19 +240,31 @@ def setup(cfg: DictConfig) -> KDRun:
         total_steps=total_steps,
     )
 
-# %% ../../nbs/85_knowledge_distillation_single_device.ipynb #1220e6a0
+# %% ../../nbs/85_knowledge_distillation_single_device.ipynb #5a456dd9
 def student_weights(run: KDRun) -> dict:
-    "What a step checkpoint holds besides the recipe state."
-    return {"model": run.student.state_dict(), "kl_before": run.kl_before}
+    """What a step checkpoint holds besides the recipe state: the student (a LoRA
+    student: its adapter) and the KL before training."""
+    if peft.get_adapter_params(run.student):
+        adapter = peft.get_adapter_state_dict(run.student.state_dict())
+        lora = peft.get_adapter_config(run.student)
+        weights = {
+            "adapter": adapter,
+            "adapter_config": lora,
+            "adapter_weights": adapter,
+        }
+    else:
+        weights = {"model": run.student.state_dict()}
+    return weights | {"kl_before": run.kl_before}
 
-# %% ../../nbs/85_knowledge_distillation_single_device.ipynb #8b76661f
+# %% ../../nbs/85_knowledge_distillation_single_device.ipynb #e6c9b9e8
 def train_loop(run: KDRun) -> tuple[list[dict], float]:
     """Run the remaining steps; returns their metrics and the held-out KL before
     training.
     """
     cfg, student, optimizer = run.cfg, run.student, run.optimizer
     # the student's weights + recipe state
-    resumed = training.resume_state(cfg, student)
+    adapters_only = bool(peft.get_adapter_params(student))
+    resumed = training.resume_state(cfg, student, adapters_only)
     log_path = run.output_dir / "log.jsonl"
     start = training.resume_position(resumed, optimizer, run.lr_scheduler, log_path)
     run.kl_before = kl_before = (
@@ -292,7 +299,7 @@ def train_loop(run: KDRun) -> tuple[list[dict], float]:
         training.save_step_checkpoint(run, student_weights, epoch, i + 1, step)
     return reporter.close(), kl_before
 
-# %% ../../nbs/85_knowledge_distillation_single_device.ipynb #5d161edb
+# %% ../../nbs/85_knowledge_distillation_single_device.ipynb #8aab9dc7
 def save_student(run: KDRun, kl_before: float, kl_after: float) -> Path:
     """Write kl_to_teacher.json and the student (Hugging Face format); returns the
     folder.
@@ -300,9 +307,11 @@ def save_student(run: KDRun, kl_before: float, kl_after: float) -> Path:
     (run.output_dir / "kl_to_teacher.json").write_text(
         json.dumps({"before": kl_before, "after": kl_after})
     )
-    folder = run.checkpointer.save_checkpoint(
-        {"model": run.student.state_dict()}, epoch=run.cfg.epochs - 1
-    )
+    if peft.get_adapter_params(run.student):  # the merged student and its adapter
+        state = peft.lora_checkpoint(run.student)
+    else:
+        state = {"model": run.student.state_dict()}
+    folder = run.checkpointer.save_checkpoint(state, epoch=run.cfg.epochs - 1)
     print(f"Saved the student in Hugging Face format to {folder}")
     return folder
 
@@ -322,7 +331,7 @@ def train(cfg: DictConfig) -> dict:
         "folder": folder,
     }
 
-# %% ../../nbs/85_knowledge_distillation_single_device.ipynb #bfb185a6
+# %% ../../nbs/85_knowledge_distillation_single_device.ipynb #b39cb9d7
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
     "Entry point: `tunelit run knowledge_distillation_single_device --config tiny/kd`."
@@ -334,7 +343,7 @@ def recipe_main(cfg: DictConfig) -> None:
         f"batches {result['kl_before']:.3f} -> {result['kl_after']:.3f}."
     )
 
-# %% ../../nbs/85_knowledge_distillation_single_device.ipynb #6d9b97f8
+# %% ../../nbs/85_knowledge_distillation_single_device.ipynb #b76f345e
 #| eval: false
 if __name__ == "__main__":
     sys.exit(recipe_main())

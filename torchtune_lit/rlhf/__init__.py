@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['CROSS_ENTROPY_IGNORE_IDX', 'get_batch_log_probs', 'ChosenRejectedOutputs', 'concatenated_forward',
-           'mismatched_completions']
+           'mismatched_completions', 'Rollout', 'completion_log_probs', 'group_advantages', 'sample_groups']
 
 # %% ../../nbs/62_rlhf.ipynb #15eecfd1
 from dataclasses import dataclass
@@ -120,3 +120,13 @@ def mismatched_completions(
             ]
         ),
     )
+
+# %% ../../nbs/62_rlhf.ipynb #674b1fde
+from torchtune_lit.rlhf._grpo import (
+    Rollout,
+    completion_log_probs,
+    group_advantages,
+    sample_groups,
+)
+
+_all_ = ["Rollout", "completion_log_probs", "group_advantages", "sample_groups"]

@@ -58,11 +58,25 @@ from torchtune_lit.training._loops import (
     setup_preference,
     load_sharded_lora_model,
     load_sharded_model,
+    resume_sharded,
+    save_sharded_step,
     save_step_checkpoint,
+    setup_process,
     setup_sft,
     setup_sharded,
     sft_loop,
     sharded_loop,
+)
+from torchtune_lit.training._grpo_loop import (
+    GRPORun,
+    grpo_loop,
+    grpo_step,
+    grpo_summary,
+    grpo_validation,
+    rollout,
+    save_final_grpo,
+    setup_grpo,
+    uses_lora,
 )
 from torchtune_lit.training._utils import (
     DTYPES,

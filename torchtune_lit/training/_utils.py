@@ -464,11 +464,15 @@ def truncate_log(path: Union[str, Path], last_step: int) -> None:
 
 # %% ../../nbs/71_training_utils.ipynb #343d45e1
 def _to_device(batch: Any, device: torch.device) -> Any:
-    "A batch (a tensor, a dict or a tuple of tensors) on `device`."
+    """A batch (a tensor, a dict or a tuple of tensors) on `device`; a dict's values
+    that are not tensors (GRPO's prompts and answers) stay as they are."""
     if isinstance(batch, torch.Tensor):
         return batch.to(device)
     if isinstance(batch, dict):
-        return {k: v.to(device) for k, v in batch.items()}
+        return {
+            k: v.to(device) if isinstance(v, torch.Tensor) else v
+            for k, v in batch.items()
+        }
     return tuple(t.to(device) for t in batch)
 
 

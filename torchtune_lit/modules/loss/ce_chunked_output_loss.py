@@ -35,14 +35,16 @@ class CEWithChunkedOutputLoss(nn.Module):
     def forward(self, logits: list[torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
         if isinstance(logits, torch.Tensor):
             logits = logits.chunk(self.num_output_chunks, dim=1)
-        if len(logits) != self.num_output_chunks:
+        # torch.chunk makes fewer pieces for some lengths (41 positions: 7 of 6), for
+        # the model's logits and these labels alike
+        label_chunks = labels.chunk(self.num_output_chunks, dim=1)
+        if len(logits) != len(label_chunks):
             raise ValueError(
                 f"got {len(logits)} logit chunks but "
                 f"num_output_chunks={self.num_output_chunks}: call "
                 f"model.set_num_output_chunks({self.num_output_chunks}) (or change "
                 "the loss's setting)."
             )
-        label_chunks = labels.chunk(self.num_output_chunks, dim=1)
         total = sum(
             self.compute_cross_entropy(l.reshape(-1, l.size(-1)), y.reshape(-1))
             for l, y in zip(logits, label_chunks)

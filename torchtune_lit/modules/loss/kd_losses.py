@@ -145,13 +145,14 @@ class _ChunkedKD(nn.Module):
         teacher_logits: list[torch.Tensor],
         labels: torch.Tensor,
     ) -> torch.Tensor:
-        if not len(student_logits) == len(teacher_logits) == self.num_output_chunks:
+        # as many chunks as torch.chunk makes of the labels (7 of 8 for 41 positions)
+        label_chunks = labels.chunk(self.num_output_chunks, dim=1)
+        if not len(student_logits) == len(teacher_logits) == len(label_chunks):
             raise ValueError(
                 f"expected {self.num_output_chunks} student and teacher "
                 f"chunks, got {len(student_logits)} and {len(teacher_logits)}: call "
                 "set_num_output_chunks on both models."
             )
-        label_chunks = labels.chunk(self.num_output_chunks, dim=1)
         total = sum(
             self.loss(s, t, y, normalize=False)
             for s, t, y in zip(student_logits, teacher_logits, label_chunks)
