@@ -39,3 +39,35 @@ def test_preference_pairs_share_their_masked_prompt():
 def test_missing_data_file_names_the_fix(tmp_path):
     with pytest.raises(FileNotFoundError, match="data_files"):
         instruct_dataset(tiny_tokenizer(), source="json", data_files=str(tmp_path / "absent.jsonl"))
+
+
+def test_a_list_of_datasets_trains_on_their_concatenation(tmp_path):
+    """`dataset:` as a list (torchtune's ConcatDataset form) runs through the LoRA recipe, preflight included: one
+    epoch covers both datasets; a list mixing packed and unpacked datasets is refused, naming the key."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    import torchtune_lit.config as config
+
+    cfg = OmegaConf.to_container(config.load_config("tiny/lora"), resolve=True)
+    single = dict(cfg["dataset"])
+    cfg["dataset"] = [{**single, "data_files": _asset_path(f"tiny/column_types_{split}.jsonl")}
+                      for split in ("val", "eval")]        # 48 + 96 rows
+    cfg.update(output_dir=str(tmp_path / "out"), epochs=1, max_steps_per_epoch=None, progress_bar=False,
+               validation_dataset=None, batch_size=16)
+    path = tmp_path / "two.yaml"
+    OmegaConf.save(OmegaConf.create(cfg), path)
+    tunelit = str(Path(sys.executable).parent / "tunelit")
+    result = subprocess.run([tunelit, "run", "lora_finetune_single_device", "--config", str(path)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    steps = [json.loads(line) for line in (tmp_path / "out" / "log.jsonl").read_text().splitlines()]
+    assert len(steps) == (48 + 96) // 16                    # both files
+    cfg["dataset"][1]["packed"] = True
+    OmegaConf.save(OmegaConf.create(cfg), path)
+    refused = subprocess.run([tunelit, "run", "lora_finetune_single_device", "--config", str(path), "overwrite=true"],
+                             capture_output=True, text=True, timeout=600)
+    assert refused.returncode != 0 and "disagree on packed" in refused.stderr, refused.stderr[-2000:]

@@ -4,7 +4,10 @@
 
 # %% auto #0
 __all__ = ['PreferenceDataset', 'SFTDataset', 'TextCompletionDataset', 'chat_dataset', 'instruct_dataset', 'preference_dataset',
-           'text_completion_dataset', 'PackedDataset', 'tiny_tokenizer']
+           'text_completion_dataset', 'PackedDataset', 'tiny_tokenizer', 'ConcatDataset', 'alpaca_dataset',
+           'alpaca_cleaned_dataset', 'slimorca_dataset', 'samsum_dataset', 'grammar_dataset',
+           'cnn_dailymail_articles_dataset', 'wikitext_dataset', 'stack_exchange_paired_dataset',
+           'hh_rlhf_helpful_dataset']
 
 # %% ../../nbs/49_datasets_map.ipynb #b4af56cf
 from torchtune_lit.datasets._builders import (
@@ -15,6 +18,18 @@ from torchtune_lit.datasets._builders import (
     instruct_dataset,
     preference_dataset,
     text_completion_dataset,
+)
+from torchtune_lit.datasets._named import (
+    ConcatDataset,
+    alpaca_cleaned_dataset,
+    alpaca_dataset,
+    cnn_dailymail_articles_dataset,
+    grammar_dataset,
+    hh_rlhf_helpful_dataset,
+    samsum_dataset,
+    slimorca_dataset,
+    stack_exchange_paired_dataset,
+    wikitext_dataset,
 )
 from ._packed import PackedDataset
 from ..tokenizers._chat import tiny_tokenizer
@@ -29,4 +44,14 @@ _all_ = [
     "text_completion_dataset",
     "PackedDataset",
     "tiny_tokenizer",
+    "ConcatDataset",
+    "alpaca_dataset",
+    "alpaca_cleaned_dataset",
+    "slimorca_dataset",
+    "samsum_dataset",
+    "grammar_dataset",
+    "cnn_dailymail_articles_dataset",
+    "wikitext_dataset",
+    "stack_exchange_paired_dataset",
+    "hh_rlhf_helpful_dataset",
 ]

@@ -203,19 +203,21 @@ def sampled_loader(
 def build_dataloader(
     cfg: Any, tokenizer: Any, rank: int = 0, world_size: int = 1
 ) -> "DataLoader":
-    """The training DataLoader: the config's dataset with the padded or packed collate
-    function, in `sampled_loader`'s order.
+    """The training DataLoader: the config's dataset (or its list of datasets,
+    concatenated) with the padded or packed collate function, in `sampled_loader`'s
+    order.
     """
     import torchtune_lit.config as config
     import torchtune_lit.data as data
+    from torchtune_lit.datasets._named import build_datasets, shared_setting
 
-    dataset = config.instantiate(cfg.dataset, tokenizer)
+    dataset = build_datasets(cfg.dataset, tokenizer, config.instantiate)
     # `tunelit run ... --sanity`: overfit a handful of samples
     if cfg.get("sanity_check"):
         dataset = torch.utils.data.Subset(
             dataset, range(min(cfg.sanity_check, len(dataset)))
         )
-    packed = cfg.dataset.get("packed", False)
+    packed = shared_setting(cfg.dataset, "packed", False)
     collate = data.padded_collate_packed if packed else data.padded_collate_sft
     return sampled_loader(dataset, cfg, collate, rank, world_size)
 

@@ -19,6 +19,11 @@ from omegaconf import DictConfig
 
 import torchtune_lit.config as config
 from ..data._messages import CROSS_ENTROPY_IGNORE_IDX
+from torchtune_lit.datasets._named import (
+    build_datasets,
+    dataset_entries,
+    shared_setting,
+)
 from ..models._families import MODEL_FAMILIES
 
 # %% ../../nbs/74_preflight.ipynb #00f50cf3
@@ -387,7 +392,9 @@ def _planned_memory(
     from torchtune_lit.training._utils import DTYPES
 
     seq_len = max_tokens_per_sample
-    if cfg.dataset.get("packed", False) and cfg.tokenizer.get("max_seq_len"):
+    if shared_setting(cfg.dataset, "packed", False) and cfg.tokenizer.get(
+        "max_seq_len"
+    ):
         seq_len = cfg.tokenizer.max_seq_len
     checkpointing = bool(cfg.get("enable_activation_checkpointing", False))
     estimate = estimate_training_memory(
@@ -518,9 +525,8 @@ def _build_missing(
     the others built (a model built here trains only its adapters, if it has any).
     """
     tokenizer = tokenizer or config.instantiate(cfg.tokenizer)
-    dataset = (
-        dataset if dataset is not None else config.instantiate(cfg.dataset, tokenizer)
-    )
+    if dataset is None:  # one dataset, or the concatenation of a list of them
+        dataset = build_datasets(cfg.dataset, tokenizer, config.instantiate)
     checkpointer = config.instantiate(cfg.checkpointer)
     if model is None:
         model = config.instantiate(cfg.model)
@@ -552,9 +558,10 @@ def preflight_report(
     )
     adapters = _adapter_names(model)
     from_scratch = starts_from_scratch(cfg)
-    data = data_findings(
-        dataset, tokenizer, cfg.dataset.get("train_on_input", False), max_samples
+    train_on_input = any(
+        entry.get("train_on_input", False) for entry in dataset_entries(cfg.dataset)
     )
+    data = data_findings(dataset, tokenizer, train_on_input, max_samples)
     median_trained = data[0]["median_tokens"] * data[1]["trained_fraction"]
     return {
         "data": data,
