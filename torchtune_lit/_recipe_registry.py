@@ -160,7 +160,8 @@ def _preference_recipes() -> list[Recipe]:
 
 # %% ../nbs/02_recipe_registry.ipynb #5f0d185f
 def _rl_recipes() -> list[Recipe]:
-    "GRPO with verifiable rewards; LoRA through the model builder; one or more devices."
+    """GRPO with verifiable rewards (LoRA through the model builder; one or more
+    devices), and the reward models that score answers."""
     return [
         Recipe(
             name="grpo_full_finetune_single_device",
@@ -177,6 +178,14 @@ def _rl_recipes() -> list[Recipe]:
                 )
             ],
             supports_distributed=True,
+        ),
+        Recipe(
+            name="reward_model_single_device",
+            file_path="reward_model_single_device.py",
+            configs=[
+                Config(name="tiny/reward_model", file_path="tiny/reward_model.yaml")
+            ],
+            supports_distributed=False,
         ),
     ]
 

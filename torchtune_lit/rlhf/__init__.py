@@ -4,7 +4,8 @@
 
 # %% auto #0
 __all__ = ['CROSS_ENTROPY_IGNORE_IDX', 'get_batch_log_probs', 'ChosenRejectedOutputs', 'concatenated_forward',
-           'mismatched_completions', 'Rollout', 'completion_log_probs', 'group_advantages', 'sample_groups']
+           'mismatched_completions', 'Rollout', 'completion_log_probs', 'group_advantages', 'sample_groups',
+           'bradley_terry_loss', 'save_reward_model', 'sequence_scores', 'tiny_llama_reward', 'with_score_head']
 
 # %% ../../nbs/62_rlhf.ipynb #15eecfd1
 from dataclasses import dataclass
@@ -128,5 +129,22 @@ from torchtune_lit.rlhf._grpo import (
     group_advantages,
     sample_groups,
 )
+from torchtune_lit.rlhf._reward import (
+    bradley_terry_loss,
+    save_reward_model,
+    sequence_scores,
+    tiny_llama_reward,
+    with_score_head,
+)
 
-_all_ = ["Rollout", "completion_log_probs", "group_advantages", "sample_groups"]
+_all_ = [
+    "Rollout",
+    "completion_log_probs",
+    "group_advantages",
+    "sample_groups",
+    "bradley_terry_loss",
+    "save_reward_model",
+    "sequence_scores",
+    "tiny_llama_reward",
+    "with_score_head",
+]
