@@ -16,6 +16,7 @@ from torchtune_lit.data._messages import Message
 from torchtune_lit.tokenizers._base import HuggingFaceBaseTokenizer
 from torchtune_lit.tokenizers._chat import (LLAMA3_SPECIAL_TOKENS, gemma_tokenizer, llama3_tokenizer,
                                             mistral_tokenizer, qwen2_5_tokenizer)
+from torchtune_lit.tokenizers._hf_template import HuggingFaceModelTokenizer
 
 LLAMA3_TEMPLATE = (
     "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = '<|start_header_id|>' + "
@@ -76,6 +77,7 @@ def family(request, tmp_path_factory):
     reference = transformers.PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), bos_token=bos,
                                                      eos_token=eos)
     reference.chat_template = template
+    reference.folder = folder  # for the checkpoint-template tokenizer
     return request.param, builder(folder / "tokenizer.json"), reference
 
 
@@ -99,6 +101,32 @@ def test_chat_format_ids_equal_apply_chat_template(family, index, generation_pro
     tokens, mask = ours.tokenize_messages(messages, add_end_tokens=False, add_generation_prompt=generation_prompt)
     assert tokens == reference_ids(reference, conversation, generation_prompt)
     assert len(mask) == len(tokens)
+
+
+@pytest.mark.parametrize("index", range(len(CONVERSATIONS)))
+@pytest.mark.parametrize("generation_prompt", [False, True])
+def test_checkpoint_template_tokenizer_equals_apply_chat_template(family, index, generation_prompt):
+    """The tokenizer that renders the checkpoint's own template gives transformers' ids, and trains exactly the
+    assistant answers (with the template's end-of-turn text)."""
+    name, _, reference = family
+    conversation = CONVERSATIONS[index][:-1] if generation_prompt else CONVERSATIONS[index]
+    ours = HuggingFaceModelTokenizer(reference.folder / "tokenizer.json", chat_template=reference.chat_template)
+    messages = [Message(m["role"], m["content"], masked=m["role"] != "assistant") for m in conversation]
+    if name in ("gemma2", "mistral") and conversation[0]["role"] == "system":
+        with pytest.raises(Exception, match="(?i)system|alternate"):   # the template's own raise_exception
+            reference_ids(reference, conversation, generation_prompt)
+        with pytest.raises(Exception, match="(?i)system|alternate"):
+            ours.tokenize_messages(messages, add_generation_prompt=generation_prompt)
+        return
+    tokens, mask = ours.tokenize_messages(messages, add_generation_prompt=generation_prompt)
+    assert tokens == reference_ids(reference, conversation, generation_prompt)
+    trained = ours.decode([t for t, m in zip(tokens, mask) if not m], skip_special_tokens=False)
+    answers = [m["content"].strip() for m in conversation if m["role"] == "assistant"]
+    for answer in answers:
+        assert answer in trained, (trained, answer)
+    for m in conversation:
+        if m["role"] != "assistant":
+            assert m["content"].strip() not in trained
 
 
 def test_formats_without_system_turn_refuse_one(family):

@@ -5,7 +5,8 @@
 # %% auto #0
 __all__ = ['BaseTokenizer', 'HuggingFaceBaseTokenizer', 'SentencePieceBaseTokenizer', 'TikTokenBaseTokenizer', 'ChatMLFormat',
            'GemmaFormat', 'Llama3Format', 'MistralFormat', 'ModelTokenizer', 'Special', 'gemma_tokenizer',
-           'llama3_tokenizer', 'mistral_tokenizer', 'qwen2_5_tokenizer']
+           'llama3_tokenizer', 'mistral_tokenizer', 'qwen2_5_tokenizer', 'HuggingFaceModelTokenizer',
+           'compile_chat_template']
 
 # %% ../../nbs/47_tokenizers_map.ipynb #756470f5
 from torchtune_lit.tokenizers._base import (
@@ -26,6 +27,10 @@ from torchtune_lit.tokenizers._chat import (
     mistral_tokenizer,
     qwen2_5_tokenizer,
 )
+from torchtune_lit.tokenizers._hf_template import (
+    HuggingFaceModelTokenizer,
+    compile_chat_template,
+)
 
 _all_ = [
     "BaseTokenizer",
@@ -42,4 +47,6 @@ _all_ = [
     "llama3_tokenizer",
     "mistral_tokenizer",
     "qwen2_5_tokenizer",
+    "HuggingFaceModelTokenizer",
+    "compile_chat_template",
 ]

@@ -69,6 +69,7 @@ from torchtune_lit.training._loops import (
 )
 from torchtune_lit.training._grpo_loop import (
     GRPORun,
+    check_grpo_settings,
     grpo_loop,
     grpo_step,
     grpo_summary,

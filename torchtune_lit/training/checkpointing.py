@@ -86,7 +86,9 @@ class FullModelHFCheckpointer:
             raise CheckpointError(
                 f"checkpoint_dir {self.checkpoint_dir} does not "
                 "exist. Download the model first, e.g. 'tunelit download "
-                "meta-llama/Llama-3.2-1B-Instruct --output-dir DIR'."
+                "meta-llama/Llama-3.2-1B-Instruct --output-dir DIR'; a folder that "
+                "another run writes (its best/ or epoch_N/) needs that run first, "
+                "as the config's header comment says."
             )
         config_path = self.checkpoint_dir / "config.json"
         if not config_path.is_file():
