@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['load_sharded_teacher', 'DistributedKDRun', 'setup', 'kl_before_training', 'train', 'recipe_main']
 
-# %% ../../nbs/85b_knowledge_distillation_distributed.ipynb #bd3a5133
+# %% ../../nbs/85b_knowledge_distillation_distributed.ipynb #f2f59f20
 import json
 import sys
 from dataclasses import dataclass
@@ -17,10 +17,9 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 import torchtune_lit.config as config
-import torchtune_lit.recipes.knowledge_distillation_single_device as kd
 import torchtune_lit.training as training
 
-# %% ../../nbs/85b_knowledge_distillation_distributed.ipynb #2629880e
+# %% ../../nbs/85b_knowledge_distillation_distributed.ipynb #b4353456
 def load_sharded_teacher(
     cfg: DictConfig, rank: int, device: torch.device, dtype: torch.dtype
 ) -> torch.nn.Module:
@@ -59,7 +58,7 @@ class DistributedKDRun:
     steps_per_epoch: int
     total_steps: int
 
-# %% ../../nbs/85b_knowledge_distillation_distributed.ipynb #2461d8c9
+# %% ../../nbs/85b_knowledge_distillation_distributed.ipynb #c8c6296b
 def setup(cfg: DictConfig) -> DistributedKDRun:
     "Join the group; the sharded student and teacher, this rank's loaders, the losses."
     rank, world_size, device, dtype, output_dir = training.setup_process(cfg)
@@ -71,8 +70,8 @@ def setup(cfg: DictConfig) -> DistributedKDRun:
     load = training.load_sharded_lora_model if lora else training.load_sharded_model
     student = load(cfg, checkpointer, rank, device, dtype)
     teacher = load_sharded_teacher(cfg, rank, device, dtype)
-    kd.check_same_vocabulary(student, teacher)
-    loss_fn, kd_loss_fn = kd.build_losses(cfg, student, teacher)
+    training.check_same_vocabulary(student, teacher)
+    loss_fn, kd_loss_fn = training.build_losses(cfg, student, teacher)
     optimizer = config.instantiate(
         cfg.optimizer, [p for p in student.parameters() if p.requires_grad]
     )
@@ -93,7 +92,7 @@ def setup(cfg: DictConfig) -> DistributedKDRun:
         loader=loader,
         val_loader=val_loader,
         # the rows one process at the global batch size measures
-        held_out=kd.held_out_batches(
+        held_out=training.held_out_batches(
             cfg, tokenizer, device, cfg.batch_size * world_size
         ),
         optimizer=optimizer,
@@ -103,20 +102,20 @@ def setup(cfg: DictConfig) -> DistributedKDRun:
         total_steps=total_steps,
     )
 
-# %% ../../nbs/85b_knowledge_distillation_distributed.ipynb #dccf3994
+# %% ../../nbs/85b_knowledge_distillation_distributed.ipynb #9112a680
 def kl_before_training(run: DistributedKDRun, resumed: bool) -> float:
     "The held-out KL of the starting student, measured once per run (kl_before.json)."
     path = run.output_dir / "kl_before.json"
     if resumed:
         return json.loads(path.read_text())["kl_before"]
-    kl = kd.kl_to_teacher(
+    kl = training.kl_to_teacher(
         run.model, run.teacher, run.held_out
     )  # every rank: collectives
     if run.rank == 0:
         path.write_text(json.dumps({"kl_before": kl}))
     return kl
 
-# %% ../../nbs/85b_knowledge_distillation_distributed.ipynb #c4ddfaeb
+# %% ../../nbs/85b_knowledge_distillation_distributed.ipynb #19b85196
 def train(cfg: DictConfig) -> dict:
     """Run the recipe on every rank; returns rank 0's step metrics (empty elsewhere) and
     the held-out KL to the teacher before and after."""
@@ -141,7 +140,7 @@ def train(cfg: DictConfig) -> dict:
     step = start.step
     for epoch, i, micro in batches:
         step += 1
-        metrics = kd.kd_step(
+        metrics = training.kd_step(
             run.model, run.teacher, run.optimizer, micro, step, *mixing
         )
         if run.val_loader is not None and step % val_every == 0:
@@ -153,7 +152,7 @@ def train(cfg: DictConfig) -> dict:
             reporter.report(epoch, metrics)
         training.save_sharded_step(run, epoch, i + 1, step)
     history = reporter.close() if reporter is not None else []
-    kl_after = kd.kl_to_teacher(run.model, run.teacher, run.held_out)
+    kl_after = training.kl_to_teacher(run.model, run.teacher, run.held_out)
     if run.rank == 0:
         kl = {"before": kl_before, "after": kl_after}
         (run.output_dir / "kl_to_teacher.json").write_text(json.dumps(kl))
@@ -174,7 +173,7 @@ def recipe_main(cfg: DictConfig) -> None:
     """
     train(cfg)
 
-# %% ../../nbs/85b_knowledge_distillation_distributed.ipynb #3c2fd7ea
+# %% ../../nbs/85b_knowledge_distillation_distributed.ipynb #7d6a4208
 #| eval: false
 if __name__ == "__main__":
     sys.exit(recipe_main())

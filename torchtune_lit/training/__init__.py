@@ -67,6 +67,14 @@ from torchtune_lit.training._loops import (
     sft_loop,
     sharded_loop,
 )
+from torchtune_lit.training._distillation import (
+    build_losses,
+    check_same_vocabulary,
+    held_out_batches,
+    kd_step,
+    kl_to_teacher,
+    load_teacher,
+)
 from torchtune_lit.training._grpo_loop import (
     GRPORun,
     check_grpo_settings,
