@@ -161,7 +161,7 @@ def _preference_recipes() -> list[Recipe]:
 # %% ../nbs/02_recipe_registry.ipynb #5f0d185f
 def _rl_recipes() -> list[Recipe]:
     """GRPO with verifiable rewards (LoRA through the model builder; one or more
-    devices), and the reward models that score answers."""
+    devices), the reward models that score answers, and PPO against one."""
     return [
         Recipe(
             name="grpo_full_finetune_single_device",
@@ -185,6 +185,12 @@ def _rl_recipes() -> list[Recipe]:
             configs=[
                 Config(name="tiny/reward_model", file_path="tiny/reward_model.yaml")
             ],
+            supports_distributed=False,
+        ),
+        Recipe(
+            name="ppo_full_finetune_single_device",
+            file_path="ppo_full_finetune_single_device.py",
+            configs=[Config(name="tiny/ppo", file_path="tiny/ppo.yaml")],
             supports_distributed=False,
         ),
     ]
@@ -362,7 +368,17 @@ RECIPE_CONFIG_KEYS |= {
     # GRPO
     "reward_functions": "GRPO: reward components, summed per answer",
     "group_size": "GRPO: answers sampled per prompt",
-    "ppo_epochs": "GRPO: optimizer steps per batch of samples",
+    "ppo_epochs": "GRPO, PPO: passes over each batch of samples",
+    # PPO
+    "reward_and_value_model": "PPO: the reward and value models' builder",
+    "reward_checkpoint_dir": "PPO: the reward model's folder",
+    "value_checkpoint_dir": "PPO: where the value model starts (null: reward)",
+    "ppo_batch_size": "PPO: samples per optimizer step",
+    "kl_coeff": "PPO: reward charged per unit of log-ratio to the reference",
+    "gamma": "PPO: discount of future rewards",
+    "lmbda": "PPO: GAE's lambda",
+    "penalise_no_eos": "PPO: score answers cut at max_new_tokens as reward_penalty",
+    "reward_penalty": "PPO: the score of an answer without a stop token",
     # distillation
     "teacher_model": "the teacher's model builder",
     "teacher_checkpointer": "reads the teacher's weights",

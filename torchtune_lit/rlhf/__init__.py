@@ -5,7 +5,9 @@
 # %% auto #0
 __all__ = ['CROSS_ENTROPY_IGNORE_IDX', 'get_batch_log_probs', 'ChosenRejectedOutputs', 'concatenated_forward',
            'mismatched_completions', 'Rollout', 'completion_log_probs', 'group_advantages', 'sample_groups',
-           'bradley_terry_loss', 'save_reward_model', 'sequence_scores', 'tiny_llama_reward', 'with_score_head']
+           'estimate_advantages', 'get_rewards_ppo', 'masked_mean', 'masked_whiten', 'token_values',
+           'bradley_terry_loss', 'reward_model_state_dict', 'save_reward_model', 'sequence_scores', 'tiny_llama_reward',
+           'with_score_head']
 
 # %% ../../nbs/62_rlhf.ipynb #15eecfd1
 from dataclasses import dataclass
@@ -129,8 +131,16 @@ from torchtune_lit.rlhf._grpo import (
     group_advantages,
     sample_groups,
 )
+from torchtune_lit.rlhf._ppo import (
+    estimate_advantages,
+    get_rewards_ppo,
+    masked_mean,
+    masked_whiten,
+    token_values,
+)
 from torchtune_lit.rlhf._reward import (
     bradley_terry_loss,
+    reward_model_state_dict,
     save_reward_model,
     sequence_scores,
     tiny_llama_reward,
@@ -142,7 +152,13 @@ _all_ = [
     "completion_log_probs",
     "group_advantages",
     "sample_groups",
+    "estimate_advantages",
+    "get_rewards_ppo",
+    "masked_mean",
+    "masked_whiten",
+    "token_values",
     "bradley_terry_loss",
+    "reward_model_state_dict",
     "save_reward_model",
     "sequence_scores",
     "tiny_llama_reward",
