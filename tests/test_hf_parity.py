@@ -41,6 +41,11 @@ FAMILIES = {
     "gemma2_softcap_window": (transformers.Gemma2Config, "GEMMA2",
                dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=4, attn_logit_softcapping=50.0,
                     final_logit_softcapping=30.0, rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})),
+    "gemma3_qk_norm_two_ropes": (transformers.Gemma3TextConfig, "GEMMA3",
+               dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=4,
+                    layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                    rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                                     "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})),
 }
 
 
@@ -51,7 +56,8 @@ def randomize_(model: torch.nn.Module, seed: int = 0) -> None:
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=gen)
             if name.endswith("norm.weight"):
-                p.copy_(0.5 * noise if isinstance(model, transformers.Gemma2ForCausalLM) else 1.0 + 0.5 * noise)
+                gemma = isinstance(model, (transformers.Gemma2ForCausalLM, transformers.Gemma3ForCausalLM))
+                p.copy_(0.5 * noise if gemma else 1.0 + 0.5 * noise)   # Gemma's gain is 1 + w
             elif p.dim() == 1:
                 p.copy_(0.5 * noise)
             else:
@@ -170,6 +176,16 @@ PUBLISHED = {
                          num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4, head_dim=256)),
     "gemma2.gemma2_9b": (transformers.Gemma2Config, dict(vocab_size=256000, hidden_size=3584, intermediate_size=14336,
                          num_hidden_layers=42, num_attention_heads=16, num_key_value_heads=8, head_dim=256)),
+    "gemma3.gemma3_1b": (transformers.Gemma3TextConfig, dict(vocab_size=262144, hidden_size=1152, intermediate_size=6912,
+                         num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                         query_pre_attn_scalar=256, sliding_window=512)),
+    "gemma3.gemma3_4b": (transformers.Gemma3TextConfig, dict(vocab_size=262208, hidden_size=2560, intermediate_size=10240,
+                         num_hidden_layers=34, num_attention_heads=8, num_key_value_heads=4, head_dim=256)),
+    "gemma3.gemma3_12b": (transformers.Gemma3TextConfig, dict(vocab_size=262208, hidden_size=3840, intermediate_size=15360,
+                          num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=8, head_dim=256)),
+    "gemma3.gemma3_27b": (transformers.Gemma3TextConfig, dict(vocab_size=262208, hidden_size=5376, intermediate_size=21504,
+                          num_hidden_layers=62, num_attention_heads=32, num_key_value_heads=16, head_dim=128,
+                          query_pre_attn_scalar=168)),
 }
 
 

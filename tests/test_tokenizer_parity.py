@@ -1,8 +1,8 @@
 """Our tokenizers against transformers on the same tokenizer files.
 
 Small real tokenizers are trained here with Hugging Face `tokenizers` (byte-level BPE on the shipped corpus) and given
-each family's special tokens; the chat templates are the models' own template texts (Qwen 2.5's without its
-tool-calling branches, which these conversations do not use). transformers renders and tokenises; we tokenise
+each family's special tokens; the chat templates are the models' own template texts (Qwen 2.5's and Qwen 3's without
+their tool-calling branches, which these conversations do not use). transformers renders and tokenises; we tokenise
 messages; the ids must be identical.
 """
 import json
@@ -182,3 +182,81 @@ def test_tiktoken_base_tokenizer_equals_transformers_on_the_same_bpe(tmp_path, t
                                  special_tokens={"<|begin|>": n, "<|end|>": n + 1})
     reference = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
     assert ours.encode(text, add_bos=False, add_eos=False) == reference(text, add_special_tokens=False)["input_ids"]
+
+
+# Templates checked only through the checkpoint-template tokenizer (no hand-written format renders them): Gemma 3's,
+# which folds a system message into the first user turn, and Qwen 3's (without its tool-calling branches), whose
+# answers after the last user message carry a <think> block and whose generation prompt, with enable_thinking=false,
+# ends with an empty one.
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}{%- if messages[0]['role'] == 'system' -%}{%- set first_user_prefix = messages[0]['content'] + "
+    "'\n\n' -%}{%- set loop_messages = messages[1:] -%}{%- else -%}{%- set first_user_prefix = \"\" -%}{%- set "
+    "loop_messages = messages -%}{%- endif -%}{%- for message in loop_messages -%}{%- if (message['role'] == 'user') != "
+    "(loop.index0 % 2 == 0) -%}{{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\")"
+    " }}{%- endif -%}{%- if (message['role'] == 'assistant') -%}{%- set role = \"model\" -%}{%- else -%}{%- set role = "
+    "message['role'] -%}{%- endif -%}{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else \"\") }}"
+    "{{ message['content'] | trim }}{{ '<end_of_turn>\n' }}{%- endfor -%}{%- if add_generation_prompt -%}"
+    "{{'<start_of_turn>model\n'}}{%- endif -%}")
+
+QWEN3_TEMPLATE = (
+    "{%- if messages[0].role == 'system' %}{{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}{%- endif %}"
+    "{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}{%- for message in messages[::-1] %}"
+    "{%- set index = (messages|length - 1) - loop.index0 %}{%- if ns.multi_step_tool and message.role == \"user\" and "
+    "message.content is string and not(message.content.startswith('<tool_response>') and "
+    "message.content.endswith('</tool_response>')) %}{%- set ns.multi_step_tool = false %}{%- set ns.last_query_index = "
+    "index %}{%- endif %}{%- endfor %}{%- for message in messages %}{%- if message.content is string %}{%- set content = "
+    "message.content %}{%- else %}{%- set content = '' %}{%- endif %}{%- if (message.role == \"user\") or (message.role == "
+    "\"system\" and not loop.first) %}{{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>' + '\n' }}{%- elif "
+    "message.role == \"assistant\" %}{%- set reasoning_content = '' %}{%- if message.reasoning_content is string %}{%- set "
+    "reasoning_content = message.reasoning_content %}{%- else %}{%- if '</think>' in content %}{%- set reasoning_content = "
+    "content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') %}{%- set content = "
+    "content.split('</think>')[-1].lstrip('\n') %}{%- endif %}{%- endif %}{%- if loop.index0 > ns.last_query_index %}"
+    "{%- if loop.last or (not loop.last and reasoning_content) %}{{- '<|im_start|>' + message.role + '\n<think>\n' + "
+    "reasoning_content.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') }}{%- else %}{{- '<|im_start|>' + "
+    "message.role + '\n' + content }}{%- endif %}{%- else %}{{- '<|im_start|>' + message.role + '\n' + content }}"
+    "{%- endif %}{{- '<|im_end|>\n' }}{%- endif %}{%- endfor %}{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\n' }}{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\n\n</think>\n\n' }}{%- endif %}{%- endif %}")
+
+TEMPLATE_ONLY = {
+    "gemma3": (["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"], "<bos>", "<eos>", GEMMA3_TEMPLATE, {}),
+    "qwen3_thinking": (["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"], None, "<|im_end|>",
+                       QWEN3_TEMPLATE, {}),
+    "qwen3_no_thinking": (["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"], None, "<|im_end|>",
+                          QWEN3_TEMPLATE, {"enable_thinking": False}),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(TEMPLATE_ONLY))
+def template_only(request, tmp_path_factory):
+    specials, bos, eos, template, kwargs = TEMPLATE_ONLY[request.param]
+    folder = tmp_path_factory.mktemp(request.param)
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train([_asset_path("tiny/corpus.txt")], trainers.BpeTrainer(vocab_size=600, special_tokens=specials,
+                                                                    initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    bpe.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": bos, "eos_token": eos, "chat_template": template}))
+    reference = transformers.PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), bos_token=bos,
+                                                     eos_token=eos)
+    reference.chat_template = template
+    ours = HuggingFaceModelTokenizer(folder / "tokenizer.json", template_kwargs=kwargs)
+    return request.param, ours, reference, kwargs
+
+
+@pytest.mark.parametrize("index", range(len(CONVERSATIONS)))
+@pytest.mark.parametrize("generation_prompt", [False, True])
+def test_gemma3_and_qwen3_templates_equal_apply_chat_template(template_only, index, generation_prompt):
+    name, ours, reference, kwargs = template_only
+    conversation = CONVERSATIONS[index][:-1] if generation_prompt else CONVERSATIONS[index]
+    messages = [Message(m["role"], m["content"], masked=m["role"] != "assistant") for m in conversation]
+    tokens, mask = ours.tokenize_messages(messages, add_generation_prompt=generation_prompt)
+    out = reference.apply_chat_template(conversation, tokenize=True, add_generation_prompt=generation_prompt, **kwargs)
+    assert tokens == list(out["input_ids"] if isinstance(out, (dict, transformers.BatchEncoding)) else out)
+    trained = ours.decode([t for t, m in zip(tokens, mask) if not m], skip_special_tokens=False)
+    for m in conversation:
+        if m["role"] == "assistant":
+            assert m["content"].strip() in trained, (trained, m["content"])
+        else:
+            assert m["content"].strip() not in trained

@@ -143,14 +143,18 @@ def build_decoder(
     embed_scale: Optional[float] = None,
     final_logit_softcapping: Optional[float] = None,
     qk_norm: bool = False,
+    sliding_rope: Optional[nn.Module] = None,
 ) -> TransformerDecoder:
     """A decoder-only transformer with the given architecture; every family builder
-    calls this. `rope` is shared by all layers; `qk_norm` adds the per-head q/k norm.
+    calls this. `rope` is shared by all layers (`sliding_rope`, when given, by the
+    sliding-window ones: Gemma 3); `qk_norm` adds the per-head q/k norm.
     """
     make_norm = _norm_factory(norm, embed_dim, norm_eps)
     head_dim = _head_dim(embed_dim, num_heads, head_dim)
     head_norm = _norm_factory(norm, head_dim, norm_eps) if qk_norm else None
     windowed = set(range(num_layers) if sliding_layers is None else sliding_layers)
+    local_rope = rope if sliding_rope is None else sliding_rope
+    layer_ropes = [local_rope if i in windowed else rope for i in range(num_layers)]
     layers = [
         build_layer(
             build_attention(
@@ -158,7 +162,7 @@ def build_decoder(
                 num_heads=num_heads,
                 num_kv_heads=num_kv_heads,
                 head_dim=head_dim,
-                rope=rope,
+                rope=layer_ropes[i],
                 max_seq_len=max_seq_len,
                 attn_bias=attn_bias,
                 attn_dropout=attn_dropout,

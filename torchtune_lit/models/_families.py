@@ -61,6 +61,12 @@ _GEMMA2_KEYS = {
     "model.layers.{}.pre_feedforward_layernorm.weight": "layers.{}.mlp_norm.scale",
     "model.layers.{}.post_feedforward_layernorm.weight": "layers.{}.mlp_scale.scale",
 }
+# Gemma 3: Gemma 2's names and the per-head q/k norms
+_GEMMA3_KEYS = {
+    **_GEMMA2_KEYS,
+    "model.layers.{}.self_attn.q_norm.weight": "layers.{}.attn.q_norm.scale",
+    "model.layers.{}.self_attn.k_norm.weight": "layers.{}.attn.k_norm.scale",
+}
 
 # %% ../../nbs/29_model_families.ipynb #124dc8a6
 def _check_swiglu(cfg: dict[str, Any], model_type: str) -> None:
@@ -132,6 +138,17 @@ def _gemma2_settings(cfg: dict[str, Any]) -> dict[str, Any]:
         ],
     )
 
+
+def _gemma3_settings(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3 (text): Gemma 2's layout with per-head q/k norms, five sliding-window
+    layers to one global, no soft-capping unless the config sets it."""
+    pattern = cfg.get("sliding_window_pattern", 6)
+    layer_types = cfg.get("layer_types") or [
+        "sliding_attention" if (i + 1) % pattern else "full_attention"
+        for i in range(cfg["num_hidden_layers"])
+    ]
+    return _gemma2_settings({**cfg, "layer_types": layer_types}) | dict(qk_norm=True)
+
 # %% ../../nbs/29_model_families.ipynb #bd5710ae
 MODEL_FAMILIES = {
     family.hf_model_type: family
@@ -178,6 +195,14 @@ MODEL_FAMILIES = {
             key_map=_GEMMA2_KEYS,
             tied_by_default=True,
             decoder_settings=_gemma2_settings,
+            chat_format="GemmaFormat",
+        ),
+        ModelFamily(
+            hf_model_type="gemma3_text",
+            tune_model_types={"GEMMA3": "gemma3"},
+            key_map=_GEMMA3_KEYS,
+            tied_by_default=True,
+            decoder_settings=_gemma3_settings,
             chat_format="GemmaFormat",
         ),
     )

@@ -15,6 +15,7 @@ from torch import nn
 from ._decoder_builder import build_decoder
 from ._families import MODEL_FAMILIES
 from torchtune_lit.modules.position_embeddings import (
+    LinearScaledRoPE,
     Llama3ScaledRoPE,
     RotaryPositionalEmbeddings,
 )
@@ -42,13 +43,28 @@ def read_hf_config(path_or_dict: Union[str, Path, dict]) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 # %% ../../nbs/31_hf_config.ipynb #7078df15
+def _rope_parameters(cfg: dict[str, Any], layer_type: str) -> dict[str, Any]:
+    """The RoPE settings of `layer_type`'s layers: transformers 5 nests them per layer
+    type when they differ (Gemma 3); older configs give `rope_local_base_freq` for the
+    sliding layers, `rope_theta` / `rope_scaling` for the rest."""
+    nested = cfg.get("rope_parameters") or {}
+    if layer_type in nested:
+        return nested[layer_type]
+    if layer_type == "sliding_attention" and "rope_local_base_freq" in cfg:
+        return {"rope_type": "default", "rope_theta": cfg["rope_local_base_freq"]}
+    return {**(cfg.get("rope_scaling") or {}), **nested}
+
+
 def rope_from_hf_config(
-    cfg: dict[str, Any], head_dim: int, max_seq_len: int
+    cfg: dict[str, Any],
+    head_dim: int,
+    max_seq_len: int,
+    layer_type: str = "full_attention",
 ) -> nn.Module:
-    """RoPE (plain or Llama 3.1-scaled) from either `rope_parameters` (transformers 5)
-    or `rope_theta`/`rope_scaling`.
+    """RoPE (plain, Llama 3.1-scaled or linearly scaled) of `layer_type`'s layers from
+    either `rope_parameters` (transformers 5) or `rope_theta`/`rope_scaling`.
     """
-    params = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+    params = _rope_parameters(cfg, layer_type)
     base = params.get("rope_theta", cfg.get("rope_theta", 10_000.0))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
@@ -65,15 +81,22 @@ def rope_from_hf_config(
             high_freq_factor=params["high_freq_factor"],
             old_context_len=params["original_max_position_embeddings"],
         )
+    if rope_type == "linear":
+        return LinearScaledRoPE(
+            dim=head_dim,
+            max_seq_len=max_seq_len,
+            base=base,
+            scale_factor=params["factor"],
+        )
     raise NotImplementedError(
         f"rope_type {rope_type!r} is not supported yet "
-        "(supported: 'default', 'llama3')."
+        "(supported: 'default', 'llama3', 'linear')."
     )
 
 # %% ../../nbs/31_hf_config.ipynb #cd5c7037
 def build_from_hf_config(path_or_dict: Union[str, Path, dict]) -> TransformerDecoder:
     """The decoder that a Hugging Face `config.json` (path, folder or dict) describes:
-    Llama 3.x, Mistral, Qwen 2/2.5 or Gemma 2.
+    Llama 3.x, Mistral, Qwen 2/2.5/3, Gemma 2 or Gemma 3 (text).
     """
     cfg = read_hf_config(path_or_dict)
     model_type = cfg.get("model_type")
@@ -86,6 +109,13 @@ def build_from_hf_config(path_or_dict: Union[str, Path, dict]) -> TransformerDec
     num_heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
     max_seq_len = cfg["max_position_embeddings"]
+    sliding_rope = None
+    if _rope_parameters(cfg, "sliding_attention") != _rope_parameters(
+        cfg, "full_attention"
+    ):
+        sliding_rope = rope_from_hf_config(
+            cfg, head_dim, max_seq_len, "sliding_attention"
+        )
     return build_decoder(
         vocab_size=cfg["vocab_size"],
         num_layers=cfg["num_hidden_layers"],
@@ -99,5 +129,6 @@ def build_from_hf_config(path_or_dict: Union[str, Path, dict]) -> TransformerDec
         attn_dropout=cfg.get("attention_dropout", 0.0),
         tie_word_embeddings=cfg.get("tie_word_embeddings", family.tied_by_default),
         rope=rope_from_hf_config(cfg, head_dim, max_seq_len),
+        sliding_rope=sliding_rope,
         **family.decoder_settings(cfg),
     )

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['compile_chat_template', 'HuggingFaceModelTokenizer']
 
-# %% ../../nbs/42b_hf_chat_template.ipynb #b3b8ccdb
+# %% ../../nbs/42b_hf_chat_template.ipynb #0b7f43b9
 import json
 from datetime import datetime
 from pathlib import Path
@@ -15,7 +15,7 @@ from ..data._messages import Message, validate_messages
 from ._base import HuggingFaceBaseTokenizer
 from ._chat import _check_max_seq_len, _truncate
 
-# %% ../../nbs/42b_hf_chat_template.ipynb #ce449d86
+# %% ../../nbs/42b_hf_chat_template.ipynb #28c69172
 def compile_chat_template(template: str):
     """A Jinja chat template compiled as transformers compiles it (sandboxed, trim and
     lstrip blocks, loop controls, `tojson`, `raise_exception`, `strftime_now`)."""
@@ -61,7 +61,7 @@ def _token_text(value: Any) -> str:
         return value.get("content", "")
     return value or ""
 
-# %% ../../nbs/42b_hf_chat_template.ipynb #fca65021
+# %% ../../nbs/42b_hf_chat_template.ipynb #f20286fc
 class HuggingFaceModelTokenizer:
     """Messages -> (tokens, mask) with the checkpoint's own chat template; mask True
     where not trained (everything but the assistant turns' answers and end text)."""
@@ -121,7 +121,38 @@ class HuggingFaceModelTokenizer:
                 return token_id
         return self.eos_id
 
-# %% ../../nbs/42b_hf_chat_template.ipynb #94f49afe
+# %% ../../nbs/42b_hf_chat_template.ipynb #3d23f886
+def _content_starts(turns: list[dict], text: str) -> list[Optional[int]]:
+    "Where each turn's stripped content starts in `text`, searched in order (or None)."
+    starts, cursor = [], 0
+    for turn in turns:
+        content = turn["content"].strip()
+        at = text.find(content, cursor) if content else -1
+        starts.append(at if at >= 0 else None)
+        cursor = at + len(content) if at >= 0 else cursor
+    return starts
+
+
+def _found_span(
+    tokenizer: HuggingFaceModelTokenizer, turns: list[dict], i: int, text: str
+) -> tuple[int, int]:
+    """The span of answer `i` located in the full `text`: its content, through the
+    end-of-turn token after it (for templates that rewrite earlier turns)."""
+    start = _content_starts(turns, text)[i]
+    if start is None:
+        raise ValueError(
+            f"the chat template renders the turns before message {i} differently "
+            "once later messages follow, and changes the answer's text, so its place "
+            "cannot be found; train on one assistant turn per sample."
+        )
+    end = start + len(turns[i]["content"].strip())
+    if tokenizer.eot_id is not None:
+        end_of_turn = tokenizer.base.tokenizer.id_to_token(tokenizer.eot_id)
+        at = text.find(end_of_turn, end)
+        end = at + len(end_of_turn) if at >= 0 else end
+    return start, end
+
+
 def _trained_spans(
     tokenizer: HuggingFaceModelTokenizer,
     turns: list[dict],
@@ -135,17 +166,13 @@ def _trained_spans(
             continue
         start_text = tokenizer.render(turns[:i], add_generation_prompt=True)
         end_text = tokenizer.render(turns[: i + 1])
-        if not (text.startswith(start_text) and text.startswith(end_text)):
-            raise ValueError(
-                f"the chat template renders the turns before message {i} differently "
-                "once later messages follow (e.g. it drops earlier reasoning), so the "
-                "answer's place cannot be found; train on one assistant turn per "
-                "sample."
-            )
-        spans.append((len(start_text), len(end_text)))
+        if text.startswith(start_text) and text.startswith(end_text):
+            spans.append((len(start_text), len(end_text)))
+        else:  # the template rewrites this turn once later ones follow
+            spans.append(_found_span(tokenizer, turns, i, text))
     return spans
 
-# %% ../../nbs/42b_hf_chat_template.ipynb #f03d95f8
+# %% ../../nbs/42b_hf_chat_template.ipynb #06903530
 def _tokenize_messages(
     self: HuggingFaceModelTokenizer,
     messages: list[Message],
