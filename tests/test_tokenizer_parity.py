@@ -184,10 +184,12 @@ def test_tiktoken_base_tokenizer_equals_transformers_on_the_same_bpe(tmp_path, t
     assert ours.encode(text, add_bos=False, add_eos=False) == reference(text, add_special_tokens=False)["input_ids"]
 
 
-# Templates checked only through the checkpoint-template tokenizer (no hand-written format renders them): Gemma 3's,
-# which folds a system message into the first user turn, and Qwen 3's (without its tool-calling branches), whose
-# answers after the last user message carry a <think> block and whose generation prompt, with enable_thinking=false,
-# ends with an empty one.
+# Templates checked only through the checkpoint-template tokenizer (no hand-written format renders them exactly), as
+# published in each checkpoint's tokenizer_config.json, tool-calling branches left out: Gemma 3's, which folds a system
+# message into the first user turn; Qwen 3's, whose answers after the last user message carry a <think> block and whose
+# generation prompt, with enable_thinking=false, ends with an empty one; Llama 3.3's (Llama 3.1's), whose system header
+# always carries the dates; Mistral NeMo's, which puts the system message into the last user message only (so a
+# finished conversation drops it); Phi-4's ChatML with <|im_sep|>.
 GEMMA3_TEMPLATE = (
     "{{ bos_token }}{%- if messages[0]['role'] == 'system' -%}{%- set first_user_prefix = messages[0]['content'] + "
     "'\n\n' -%}{%- set loop_messages = messages[1:] -%}{%- else -%}{%- set first_user_prefix = \"\" -%}{%- set "
@@ -218,7 +220,40 @@ QWEN3_TEMPLATE = (
     "{{- '<|im_start|>assistant\n' }}{%- if enable_thinking is defined and enable_thinking is false %}"
     "{{- '<think>\n\n</think>\n\n' }}{%- endif %}{%- endif %}")
 
+LLAMA3_3_TEMPLATE = (  # Llama 3.1 / 3.3 Instruct: a system header with the knowledge and today's date, always
+    "{{- bos_token }}{%- if not date_string is defined %}{%- set date_string = \"26 Jul 2024\" %}{%- endif %}"
+    "{%- if messages[0]['role'] == 'system' %}{%- set system_message = messages[0]['content']|trim %}{%- set messages = "
+    "messages[1:] %}{%- else %}{%- set system_message = \"\" %}{%- endif %}"
+    "{{- \"<|start_header_id|>system<|end_header_id|>\n\n\" }}{{- \"Cutting Knowledge Date: December 2023\n\" }}"
+    "{{- \"Today Date: \" + date_string + \"\n\n\" }}{{- system_message }}{{- \"<|eot_id|>\" }}"
+    "{%- for message in messages %}{%- if not (message.role == 'ipython' or message.role == 'tool' or 'tool_calls' in "
+    "message) %}{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + "
+    "'<|eot_id|>' }}{%- endif %}{%- endfor %}{%- if add_generation_prompt %}"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}")
+
+MISTRAL_NEMO_TEMPLATE = (  # Mistral-Nemo-Instruct-2407: the system message joins the *last* user message only
+    "{%- if messages[0][\"role\"] == \"system\" %}{%- set system_message = messages[0][\"content\"] %}{%- set "
+    "loop_messages = messages[1:] %}{%- else %}{%- set loop_messages = messages %}{%- endif %}{%- set ns = namespace() %}"
+    "{%- set ns.index = 0 %}{%- for message in loop_messages %}{%- if (message[\"role\"] == \"user\") != (ns.index % 2 == "
+    "0) %}{{- raise_exception(\"After the optional system message, conversation roles must alternate "
+    "user/assistant/user/assistant/...\") }}{%- endif %}{%- set ns.index = ns.index + 1 %}{%- endfor %}{{- bos_token }}"
+    "{%- for message in loop_messages %}{%- if message[\"role\"] == \"user\" %}{%- if loop.last and system_message is "
+    "defined %}{{- \"[INST]\" + system_message + \"\n\n\" + message[\"content\"] + \"[/INST]\" }}{%- else %}"
+    "{{- \"[INST]\" + message[\"content\"] + \"[/INST]\" }}{%- endif %}{%- elif message[\"role\"] == \"assistant\" %}"
+    "{{- message[\"content\"] + eos_token}}{%- else %}{{- raise_exception(\"Only user and assistant roles are "
+    "supported\") }}{%- endif %}{%- endfor %}")
+
+PHI4_TEMPLATE = (
+    "{% for message in messages %}{% if (message['role'] == 'system') %}{{'<|im_start|>system<|im_sep|>' + "
+    "message['content'] + '<|im_end|>'}}{% elif (message['role'] == 'user') %}{{'<|im_start|>user<|im_sep|>' + "
+    "message['content'] + '<|im_end|>'}}{% elif (message['role'] == 'assistant') %}{{'<|im_start|>assistant<|im_sep|>' + "
+    "message['content'] + '<|im_end|>'}}{% endif %}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant<|im_sep|>' }}{% endif %}")
+
 TEMPLATE_ONLY = {
+    "llama3_3": (LLAMA3_SPECIAL_TOKENS[:11], "<|begin_of_text|>", "<|eot_id|>", LLAMA3_3_TEMPLATE, {}),
+    "mistral_nemo": (["<unk>", "<s>", "</s>", "[INST]", "[/INST]"], "<s>", "</s>", MISTRAL_NEMO_TEMPLATE, {}),
+    "phi4": (["<|endoftext|>", "<|im_start|>", "<|im_sep|>", "<|im_end|>"], None, "<|im_end|>", PHI4_TEMPLATE, {}),
     "gemma3": (["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"], "<bos>", "<eos>", GEMMA3_TEMPLATE, {}),
     "qwen3_thinking": (["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"], None, "<|im_end|>",
                        QWEN3_TEMPLATE, {}),

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['compile_chat_template', 'HuggingFaceModelTokenizer']
 
-# %% ../../nbs/42b_hf_chat_template.ipynb #0b7f43b9
+# %% ../../nbs/42b_hf_chat_template.ipynb #86788944
 import json
 from datetime import datetime
 from pathlib import Path
@@ -15,7 +15,7 @@ from ..data._messages import Message, validate_messages
 from ._base import HuggingFaceBaseTokenizer
 from ._chat import _check_max_seq_len, _truncate
 
-# %% ../../nbs/42b_hf_chat_template.ipynb #28c69172
+# %% ../../nbs/42b_hf_chat_template.ipynb #df773a37
 def compile_chat_template(template: str):
     """A Jinja chat template compiled as transformers compiles it (sandboxed, trim and
     lstrip blocks, loop controls, `tojson`, `raise_exception`, `strftime_now`)."""
@@ -61,7 +61,7 @@ def _token_text(value: Any) -> str:
         return value.get("content", "")
     return value or ""
 
-# %% ../../nbs/42b_hf_chat_template.ipynb #f20286fc
+# %% ../../nbs/42b_hf_chat_template.ipynb #d2e90563
 class HuggingFaceModelTokenizer:
     """Messages -> (tokens, mask) with the checkpoint's own chat template; mask True
     where not trained (everything but the assistant turns' answers and end text)."""
@@ -121,32 +121,31 @@ class HuggingFaceModelTokenizer:
                 return token_id
         return self.eos_id
 
-# %% ../../nbs/42b_hf_chat_template.ipynb #3d23f886
-def _content_starts(turns: list[dict], text: str) -> list[Optional[int]]:
-    "Where each turn's stripped content starts in `text`, searched in order (or None)."
-    starts, cursor = [], 0
-    for turn in turns:
-        content = turn["content"].strip()
-        at = text.find(content, cursor) if content else -1
-        starts.append(at if at >= 0 else None)
-        cursor = at + len(content) if at >= 0 else cursor
-    return starts
-
-
+# %% ../../nbs/42b_hf_chat_template.ipynb #28320836
 def _found_span(
-    tokenizer: HuggingFaceModelTokenizer, turns: list[dict], i: int, text: str
+    tokenizer: HuggingFaceModelTokenizer,
+    turns: list[dict],
+    i: int,
+    text: str,
+    add_generation_prompt: bool,
 ) -> tuple[int, int]:
-    """The span of answer `i` located in the full `text`: its content, through the
-    end-of-turn token after it (for templates that rewrite earlier turns)."""
-    start = _content_starts(turns, text)[i]
-    if start is None:
+    """The span of answer `i` in the full `text`, for templates that rewrite earlier
+    turns: the whole conversation is rendered again with that answer replaced by a
+    marker; what comes before and after the marker is what surrounds the answer."""
+    marker = "\u2063answer\u2063"
+    marked = [dict(t, content=marker) if j == i else t for j, t in enumerate(turns)]
+    with_marker = tokenizer.render(marked, add_generation_prompt)
+    before, _, after = with_marker.partition(marker)
+    fits = marker in with_marker and len(before) + len(after) <= len(text)
+    if not (fits and text.startswith(before) and text.endswith(after)):
         raise ValueError(
             f"the chat template renders the turns before message {i} differently "
-            "once later messages follow, and changes the answer's text, so its place "
-            "cannot be found; train on one assistant turn per sample."
+            "once later messages follow, and the text around the answer depends on "
+            "the answer, so its place cannot be found; train on one assistant turn "
+            "per sample."
         )
-    end = start + len(turns[i]["content"].strip())
-    if tokenizer.eot_id is not None:
+    start, end = len(before), len(text) - len(after)
+    if tokenizer.eot_id is not None:  # through the end-of-turn token after it
         end_of_turn = tokenizer.base.tokenizer.id_to_token(tokenizer.eot_id)
         at = text.find(end_of_turn, end)
         end = at + len(end_of_turn) if at >= 0 else end
@@ -158,8 +157,10 @@ def _trained_spans(
     turns: list[dict],
     masked: list[bool],
     text: str,
+    add_generation_prompt: bool = False,
 ) -> list[tuple[int, int]]:
-    "Character spans of `text` to train: each unmasked assistant answer and its end."
+    """Character spans of `text` (rendered with `add_generation_prompt`) to train: each
+    unmasked assistant answer and its end."""
     spans = []
     for i, turn in enumerate(turns):
         if masked[i] or turn["role"] != "assistant":
@@ -169,10 +170,11 @@ def _trained_spans(
         if text.startswith(start_text) and text.startswith(end_text):
             spans.append((len(start_text), len(end_text)))
         else:  # the template rewrites this turn once later ones follow
-            spans.append(_found_span(tokenizer, turns, i, text))
+            found = _found_span(tokenizer, turns, i, text, add_generation_prompt)
+            spans.append(found)
     return spans
 
-# %% ../../nbs/42b_hf_chat_template.ipynb #06903530
+# %% ../../nbs/42b_hf_chat_template.ipynb #e5452b4a
 def _tokenize_messages(
     self: HuggingFaceModelTokenizer,
     messages: list[Message],
@@ -183,7 +185,8 @@ def _tokenize_messages(
     validate_messages(messages)
     turns = [{"role": m.role, "content": m.content} for m in messages]
     text = self.render(turns, add_generation_prompt)
-    spans = _trained_spans(self, turns, [m.masked for m in messages], text)
+    masked = [m.masked for m in messages]
+    spans = _trained_spans(self, turns, masked, text, add_generation_prompt)
     encoding = self.base.tokenizer.encode(text, add_special_tokens=False)
     mask = [
         not any(start <= first < end for start, end in spans)
