@@ -204,3 +204,34 @@ def test_size_builders_have_the_published_shapes(builder):
                            tie_word_embeddings=config.tie_word_embeddings)
     assert {k: tuple(v.shape) for k, v in converted.items()} == {k: tuple(v.shape) for k, v in ours.state_dict().items()}
     assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in theirs.parameters())
+
+
+def test_gemma3_multimodal_checkpoint_loads_its_text_decoder_and_saves_a_text_model(tmp_path, capsys):
+    """Gemma 3 4B+ on the Hub is multimodal: the checkpointer reads the text decoder (config completed by transformers'
+    defaults, weights renamed), says how many vision tensors it left out, and saves a Gemma3ForCausalLM folder that
+    transformers loads with the same logits."""
+    text = dict(SMALL, head_dim=16, query_pre_attn_scalar=24, sliding_window=4, vocab_size=300)
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                       boi_token_index=297, eoi_token_index=298, image_token_index=299)
+    torch.manual_seed(0)
+    theirs = transformers.Gemma3ForConditionalGeneration(config).eval()
+    for p in theirs.parameters():
+        p.data = torch.randn(p.shape) * (0.5 if p.dim() == 1 else p.shape[-1] ** -0.5)
+    theirs.save_pretrained(tmp_path / "multimodal")
+    checkpointer = FullModelHFCheckpointer(tmp_path / "multimodal", model_type="GEMMA3", output_dir=tmp_path / "out")
+    assert checkpointer.config["model_type"] == "gemma3_text" and checkpointer.config["num_attention_heads"] == 4
+    state = checkpointer.load_checkpoint()["model"]
+    assert "tensors of the vision tower and projector were left out" in capsys.readouterr().out
+    ours = build_from_hf_config(checkpointer.config).eval()
+    load_model_state_dict(ours, state)
+    tokens = torch.randint(0, 297, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = theirs(input_ids=tokens).logits
+        torch.testing.assert_close(ours(tokens), expected, atol=1e-4, rtol=1e-4)
+    folder = checkpointer.save_checkpoint({"model": ours.state_dict()}, epoch=0)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    assert type(reloaded).__name__ == "Gemma3ForCausalLM"
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(tokens).logits, expected, atol=1e-4, rtol=1e-4)

@@ -17,7 +17,7 @@ REFERENCE = {"llama3_2/1B": "llama3_2.llama3_2_1b", "llama3_2/3B": "llama3_2.lla
              "qwen2_5/0.5B": "qwen2_5.qwen2_5_0_5b", "qwen2_5/1.5B": "qwen2_5.qwen2_5_1_5b", "qwen2_5/7B": "qwen2_5.qwen2_5_7b",
              "gemma2/2B": "gemma2.gemma2_2b", "qwen3/0.6B": "qwen3.qwen3_0_6b", "mistral/7B": "mistral.mistral_7b_v0_3",
              "qwen3/1.7B": "qwen3.qwen3_1_7b", "qwen3/4B": "qwen3.qwen3_4b", "qwen3/8B": "qwen3.qwen3_8b",
-             "llama3_3/70B": "llama3_3.llama3_3_70b", "gemma3/1B": "gemma3.gemma3_1b",
+             "llama3_3/70B": "llama3_3.llama3_3_70b", "gemma3/1B": "gemma3.gemma3_1b", "gemma3/4B": "gemma3.gemma3_4b",
              "mistral/nemo_12B": "mistral.mistral_nemo_12b"}
 
 
@@ -34,7 +34,7 @@ def test_every_family_has_its_configs():
     assert {"llama3_2/1B_full", "llama3_2/1B_lora", "llama3_2/1B_qlora", "llama3_2/3B_lora", "llama3_1/8B_lora",
             "llama3_1/8B_qlora", "llama3_1/8B_full", "qwen2_5/0.5B_lora", "qwen2_5/1.5B_lora", "qwen2_5/7B_lora",
             "gemma2/2B_lora", "mistral/7B_lora", "qwen3/0.6B_lora", "qwen3/1.7B_lora", "qwen3/4B_lora", "qwen3/8B_lora",
-            "qwen3/8B_qlora", "llama3_3/70B_qlora", "gemma3/1B_lora", "mistral/nemo_12B_lora"} <= names
+            "qwen3/8B_qlora", "llama3_3/70B_qlora", "gemma3/1B_lora", "gemma3/4B_lora", "mistral/nemo_12B_lora"} <= names
 
 
 @pytest.mark.parametrize("entry", REAL, ids=lambda c: c.name)

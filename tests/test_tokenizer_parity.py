@@ -277,6 +277,7 @@ def template_only(request, tmp_path_factory):
                                                      eos_token=eos)
     reference.chat_template = template
     ours = HuggingFaceModelTokenizer(folder / "tokenizer.json", template_kwargs=kwargs)
+    ours.folder = folder  # for the template-file test
     return request.param, ours, reference, kwargs
 
 
@@ -295,3 +296,21 @@ def test_gemma3_and_qwen3_templates_equal_apply_chat_template(template_only, ind
             assert m["content"].strip() in trained, (trained, m["content"])
         else:
             assert m["content"].strip() not in trained
+
+
+@pytest.mark.parametrize("where", ["chat_template.jinja", "chat_template.json"])
+def test_template_beside_tokenizer_config_is_read(template_only, tmp_path, where):
+    "Newer checkpoints keep the template in its own file; the tokenizer reads it when tokenizer_config.json has none."
+    import shutil
+    _, ours, _, kwargs = template_only
+    shutil.copy(ours.folder / "tokenizer.json", tmp_path / "tokenizer.json")
+    config = json.loads((ours.folder / "tokenizer_config.json").read_text())
+    template = config.pop("chat_template")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / where).write_text(template if where.endswith("jinja") else json.dumps({"chat_template": template}))
+    beside = HuggingFaceModelTokenizer(tmp_path / "tokenizer.json", template_kwargs=kwargs)
+    messages = [Message(m["role"], m["content"]) for m in CONVERSATIONS[0]]
+    assert beside.tokenize_messages(messages) == ours.tokenize_messages(messages)
+    (tmp_path / where).unlink()
+    with pytest.raises(ValueError, match="has no chat_template"):
+        HuggingFaceModelTokenizer(tmp_path / "tokenizer.json")

@@ -103,6 +103,7 @@ def _lora_recipes() -> list[Recipe]:
                 Config(name="qwen2_5/7B_lora", file_path="qwen2_5/7B_lora.yaml"),
                 Config(name="gemma2/2B_lora", file_path="gemma2/2B_lora.yaml"),
                 Config(name="gemma3/1B_lora", file_path="gemma3/1B_lora.yaml"),
+                Config(name="gemma3/4B_lora", file_path="gemma3/4B_lora.yaml"),
                 Config(name="mistral/7B_lora", file_path="mistral/7B_lora.yaml"),
                 Config(
                     name="mistral/nemo_12B_lora", file_path="mistral/nemo_12B_lora.yaml"

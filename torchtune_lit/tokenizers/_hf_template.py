@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['compile_chat_template', 'HuggingFaceModelTokenizer']
 
-# %% ../../nbs/42b_hf_chat_template.ipynb #86788944
+# %% ../../nbs/42b_hf_chat_template.ipynb #41aa46db
 import json
 from datetime import datetime
 from pathlib import Path
@@ -15,7 +15,7 @@ from ..data._messages import Message, validate_messages
 from ._base import HuggingFaceBaseTokenizer
 from ._chat import _check_max_seq_len, _truncate
 
-# %% ../../nbs/42b_hf_chat_template.ipynb #df773a37
+# %% ../../nbs/42b_hf_chat_template.ipynb #2245ee35
 def compile_chat_template(template: str):
     """A Jinja chat template compiled as transformers compiles it (sandboxed, trim and
     lstrip blocks, loop controls, `tojson`, `raise_exception`, `strftime_now`)."""
@@ -42,14 +42,23 @@ def compile_chat_template(template: str):
 
 
 def _template_text(config: dict, path: Path) -> str:
-    "The default chat template of a tokenizer_config.json (a string or a named list)."
+    """The default chat template of a tokenizer_config.json (a string or a named list),
+    else of the chat_template.jinja / chat_template.json that newer checkpoints keep
+    beside it."""
     template = config.get("chat_template")
     if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
         named = {t["name"]: t["template"] for t in template}
         template = named.get("default")
+    jinja = path.with_name("chat_template.jinja")
+    as_json = path.with_name("chat_template.json")
+    if not template and jinja.is_file():
+        template = jinja.read_text()
+    elif not template and as_json.is_file():
+        template = json.loads(as_json.read_text()).get("chat_template")
     if not template:
         raise ValueError(
-            f"{path} has no chat_template; use the model family's tokenizer (e.g. "
+            f"{path} has no chat_template (nor is there a chat_template.jinja or "
+            ".json beside it); use the model family's tokenizer (e.g. "
             "torchtune_lit.models.llama3_2.llama3_tokenizer) or pass chat_template=..."
         )
     return template
@@ -61,7 +70,7 @@ def _token_text(value: Any) -> str:
         return value.get("content", "")
     return value or ""
 
-# %% ../../nbs/42b_hf_chat_template.ipynb #d2e90563
+# %% ../../nbs/42b_hf_chat_template.ipynb #27bf1d38
 class HuggingFaceModelTokenizer:
     """Messages -> (tokens, mask) with the checkpoint's own chat template; mask True
     where not trained (everything but the assistant turns' answers and end text)."""
@@ -121,7 +130,7 @@ class HuggingFaceModelTokenizer:
                 return token_id
         return self.eos_id
 
-# %% ../../nbs/42b_hf_chat_template.ipynb #28320836
+# %% ../../nbs/42b_hf_chat_template.ipynb #ede70cda
 def _found_span(
     tokenizer: HuggingFaceModelTokenizer,
     turns: list[dict],
@@ -174,7 +183,7 @@ def _trained_spans(
             spans.append(found)
     return spans
 
-# %% ../../nbs/42b_hf_chat_template.ipynb #e5452b4a
+# %% ../../nbs/42b_hf_chat_template.ipynb #110d5e41
 def _tokenize_messages(
     self: HuggingFaceModelTokenizer,
     messages: list[Message],

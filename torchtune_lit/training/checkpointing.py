@@ -19,7 +19,11 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..modules.low_precision.nf4 import is_nf4
-from ..models._families import MODEL_FAMILIES
+from torchtune_lit.models._families import (
+    MODEL_FAMILIES,
+    text_decoder_config,
+    text_decoder_weights,
+)
 from torchtune_lit.models.convert_weights import (
     hf_to_tune,
     tune_to_hf,
@@ -96,7 +100,11 @@ class FullModelHFCheckpointer:
                 f"{config_path} is missing: a Hugging Face "
                 "checkpoint folder has a config.json."
             )
-        self.config = json.loads(config_path.read_text())
+        raw_config = json.loads(config_path.read_text())
+        self.config = text_decoder_config(raw_config)  # a multimodal one's text part
+        self.multimodal_type = (
+            None if self.config is raw_config else raw_config["model_type"]
+        )
         self.hf_model_type = self._check_model_type(model_type)
         self.checkpoint_files = self._resolve_files(checkpoint_files)
         self.output_dir = Path(output_dir) if output_dir is not None else None
@@ -169,6 +177,13 @@ def _load_checkpoint(
                 f"another file, e.g. {duplicated[:3]}."
             )
         merged.update(tensors)
+    if self.multimodal_type is not None:
+        merged, left_out = text_decoder_weights(merged)
+        print(
+            f"{self.checkpoint_dir} is a {self.multimodal_type} multimodal checkpoint: "
+            f"loaded its text decoder; {len(left_out)} tensors of the vision tower and "
+            "projector were left out (saved models are text-only)."
+        )
     _check_config_fits(self, merged)
     cfg = self.config
     num_heads = cfg["num_attention_heads"]
@@ -382,6 +397,8 @@ def _write_checkpoint_files(
         for name in SUPPORT_FILES:
             if (self.checkpoint_dir / name).is_file():
                 shutil.copy2(self.checkpoint_dir / name, tmp / name)
+        if self.multimodal_type is not None:  # the text decoder's own config
+            (tmp / "config.json").write_text(json.dumps(self.config, indent=2))
     if "adapter" in state_dict:
         self._write_peft_adapter(state_dict, tmp / "adapter", dims)
     if intermediate_checkpoint:
