@@ -13,7 +13,7 @@ import torch
 import transformers
 
 from torchtune_lit.models import build_from_hf_config
-from torchtune_lit.models.convert_weights import hf_to_tune
+from torchtune_lit.models.convert_weights import hf_to_tune, split_fused
 from torchtune_lit.training import FullModelHFCheckpointer, load_model_state_dict
 
 SMALL = dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
@@ -41,6 +41,9 @@ FAMILIES = {
     "gemma2_softcap_window": (transformers.Gemma2Config, "GEMMA2",
                dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=4, attn_logit_softcapping=50.0,
                     final_logit_softcapping=30.0, rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})),
+    "phi3_fused_window": (transformers.Phi3Config, "PHI4",
+               dict(sliding_window=4, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                    rope_parameters={"rope_type": "default", "rope_theta": 250_000.0})),
     "gemma3_qk_norm_two_ropes": (transformers.Gemma3TextConfig, "GEMMA3",
                dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=4,
                     layer_types=["sliding_attention", "sliding_attention", "full_attention"],
@@ -106,7 +109,9 @@ def test_kv_cache_decoding_matches_transformers_token_by_token(family):
 def test_a_missing_permutation_would_be_caught(family):
     "The test weights are strong enough that skipping the q/k row permutation changes the logits visibly."
     ours, hf_model, name = family
-    raw = {k: v for k, v in hf_model.state_dict().items()}
+    attn = ours.layers[0].attn   # Phi-3's fused qkv_proj split into q, k, v (a no-op for the other families)
+    raw = split_fused(dict(hf_model.state_dict()), hf_model.config.model_type, attn.num_heads, attn.num_kv_heads,
+                      attn.head_dim)
     wrong = {}
     for k, v in ours.state_dict().items():
         wrong[k] = v.clone()
@@ -176,6 +181,11 @@ PUBLISHED = {
                          num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4, head_dim=256)),
     "gemma2.gemma2_9b": (transformers.Gemma2Config, dict(vocab_size=256000, hidden_size=3584, intermediate_size=14336,
                          num_hidden_layers=42, num_attention_heads=16, num_key_value_heads=8, head_dim=256)),
+    "phi3.phi3_mini": (transformers.Phi3Config, dict(vocab_size=32064, hidden_size=3072, intermediate_size=8192,
+                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32, sliding_window=2047)),
+    "phi4.phi4_14b": (transformers.Phi3Config, dict(vocab_size=100352, hidden_size=5120, intermediate_size=17920,
+                      num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=10,
+                      max_position_embeddings=16384, rope_theta=250000.0)),
     "gemma3.gemma3_1b": (transformers.Gemma3TextConfig, dict(vocab_size=262144, hidden_size=1152, intermediate_size=6912,
                          num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
                          query_pre_attn_scalar=256, sliding_window=512)),

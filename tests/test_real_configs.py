@@ -18,7 +18,7 @@ REFERENCE = {"llama3_2/1B": "llama3_2.llama3_2_1b", "llama3_2/3B": "llama3_2.lla
              "gemma2/2B": "gemma2.gemma2_2b", "qwen3/0.6B": "qwen3.qwen3_0_6b", "mistral/7B": "mistral.mistral_7b_v0_3",
              "qwen3/1.7B": "qwen3.qwen3_1_7b", "qwen3/4B": "qwen3.qwen3_4b", "qwen3/8B": "qwen3.qwen3_8b",
              "llama3_3/70B": "llama3_3.llama3_3_70b", "gemma3/1B": "gemma3.gemma3_1b", "gemma3/4B": "gemma3.gemma3_4b",
-             "mistral/nemo_12B": "mistral.mistral_nemo_12b"}
+             "mistral/nemo_12B": "mistral.mistral_nemo_12b", "phi4/14B": "phi4.phi4_14b"}
 
 
 def reference_parameters(size: str) -> int:
@@ -34,7 +34,7 @@ def test_every_family_has_its_configs():
     assert {"llama3_2/1B_full", "llama3_2/1B_lora", "llama3_2/1B_qlora", "llama3_2/3B_lora", "llama3_1/8B_lora",
             "llama3_1/8B_qlora", "llama3_1/8B_full", "qwen2_5/0.5B_lora", "qwen2_5/1.5B_lora", "qwen2_5/7B_lora",
             "gemma2/2B_lora", "mistral/7B_lora", "qwen3/0.6B_lora", "qwen3/1.7B_lora", "qwen3/4B_lora", "qwen3/8B_lora",
-            "qwen3/8B_qlora", "llama3_3/70B_qlora", "gemma3/1B_lora", "gemma3/4B_lora", "mistral/nemo_12B_lora"} <= names
+            "qwen3/8B_qlora", "llama3_3/70B_qlora", "gemma3/1B_lora", "gemma3/4B_lora", "mistral/nemo_12B_lora", "phi4/14B_qlora"} <= names
 
 
 @pytest.mark.parametrize("entry", REAL, ids=lambda c: c.name)
@@ -63,7 +63,7 @@ def test_real_config(entry):
         estimate.weights, estimate.gradients, estimate.optimizer_states = (
             estimate.weights / 8, estimate.gradients / 8, estimate.optimizer_states / 8)
     assert estimate.total / 2**30 < budget_gib, (entry.name, estimate.summary())
-    if entry.name.startswith(("qwen3/", "llama3_3/", "gemma3/", "mistral/nemo")):   # the header states the planner's prediction
+    if entry.name.startswith(("qwen3/", "llama3_3/", "gemma3/", "mistral/nemo", "phi4/")):   # the header states the planner's prediction
         assert f"batch {cfg.batch_size} x {cfg.tokenizer.max_seq_len} tokens): {estimate.total / 2**30:.1f} GiB" in text
 
 

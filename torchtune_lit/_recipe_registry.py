@@ -104,6 +104,7 @@ def _lora_recipes() -> list[Recipe]:
                 Config(name="gemma2/2B_lora", file_path="gemma2/2B_lora.yaml"),
                 Config(name="gemma3/1B_lora", file_path="gemma3/1B_lora.yaml"),
                 Config(name="gemma3/4B_lora", file_path="gemma3/4B_lora.yaml"),
+                Config(name="phi4/14B_qlora", file_path="phi4/14B_qlora.yaml"),
                 Config(name="mistral/7B_lora", file_path="mistral/7B_lora.yaml"),
                 Config(
                     name="mistral/nemo_12B_lora", file_path="mistral/nemo_12B_lora.yaml"

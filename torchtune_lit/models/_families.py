@@ -8,8 +8,8 @@ __all__ = ['MODEL_FAMILIES', 'GEMMA3_TEXT_DEFAULTS', 'MULTIMODAL_WRAPPERS', 'Mod
 
 # %% ../../nbs/29_model_families.ipynb #7d0ea905
 import math
-from dataclasses import dataclass
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
 
 from torch import nn
 
@@ -26,7 +26,11 @@ class ModelFamily:
     tied_by_default: bool  # transformers' default for tie_word_embeddings
     # config.json -> the family's switches of build_decoder (refuses what it can't)
     decoder_settings: Callable[[dict[str, Any]], dict[str, Any]]
-    chat_format: str  # its chat format's class in torchtune_lit.tokenizers
+    # its chat format's class in torchtune_lit.tokenizers (None: use the checkpoint's
+    # own template, HuggingFaceModelTokenizer)
+    chat_format: Optional[str]
+    # Hugging Face keys of fused projections -> the keys they split into, in order
+    fused_keys: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 # %% ../../nbs/29_model_families.ipynb #360df833
 _COMMON_KEYS = {
@@ -61,6 +65,13 @@ _GEMMA2_KEYS = {
     "model.layers.{}.post_attention_layernorm.weight": "layers.{}.sa_scale.scale",
     "model.layers.{}.pre_feedforward_layernorm.weight": "layers.{}.mlp_norm.scale",
     "model.layers.{}.post_feedforward_layernorm.weight": "layers.{}.mlp_scale.scale",
+}
+# Phi-3 / Phi-4: Llama's names once q, k, v (qkv_proj) and gate, up (gate_up_proj)
+# are split; split on the way in, fused again on the way out
+_ATTN, _MLP = "model.layers.{}.self_attn.", "model.layers.{}.mlp."
+_PHI3_FUSED = {
+    _ATTN + "qkv_proj.weight": tuple(_ATTN + f"{p}_proj.weight" for p in "qkv"),
+    _MLP + "gate_up_proj.weight": (_MLP + "gate_proj.weight", _MLP + "up_proj.weight"),
 }
 # Gemma 3: Gemma 2's names and the per-head q/k norms
 _GEMMA3_KEYS = {
@@ -105,6 +116,18 @@ def _qwen2_settings(cfg: dict[str, Any]) -> dict[str, Any]:
 def _mistral_settings(cfg: dict[str, Any]) -> dict[str, Any]:
     "Mistral: a sliding window on every layer (v0.1; none from v0.2 on)."
     _check_swiglu(cfg, "mistral")
+    return dict(sliding_window=cfg.get("sliding_window"))
+
+
+def _phi3_settings(cfg: dict[str, Any]) -> dict[str, Any]:
+    "Phi-3 / Phi-4: Llama's layout, a sliding window on every layer when set."
+    _check_swiglu(cfg, "phi3")
+    rotary = cfg.get("partial_rotary_factor", 1.0)
+    if rotary != 1.0:
+        raise NotImplementedError(
+            f"phi3 with partial_rotary_factor={rotary} (Phi-4-mini) is not supported "
+            "yet: it rotates only part of each head."
+        )
     return dict(sliding_window=cfg.get("sliding_window"))
 
 
@@ -189,6 +212,15 @@ MODEL_FAMILIES = {
             tied_by_default=False,
             decoder_settings=_mistral_settings,
             chat_format="MistralFormat",
+        ),
+        ModelFamily(
+            hf_model_type="phi3",
+            tune_model_types={"PHI3_MINI": "phi3", "PHI4": "phi4"},
+            key_map=_LLAMA_KEYS,
+            tied_by_default=False,
+            decoder_settings=_phi3_settings,
+            chat_format=None,  # Phi-3's <|user|> and Phi-4's <|im_sep|>: the template
+            fused_keys=_PHI3_FUSED,
         ),
         ModelFamily(
             hf_model_type="gemma2",

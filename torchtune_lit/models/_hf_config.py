@@ -96,7 +96,7 @@ def rope_from_hf_config(
 # %% ../../nbs/31_hf_config.ipynb #cd5c7037
 def build_from_hf_config(path_or_dict: Union[str, Path, dict]) -> TransformerDecoder:
     """The decoder that a Hugging Face `config.json` (path, folder or dict) describes:
-    Llama 3.x, Mistral, Qwen 2/2.5/3, Gemma 2 or Gemma 3 (text).
+    Llama 3.x, Mistral, Qwen 2/2.5/3, Phi-3/4, Gemma 2 or Gemma 3 (text).
     """
     cfg = read_hf_config(path_or_dict)
     model_type = cfg.get("model_type")

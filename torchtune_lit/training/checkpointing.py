@@ -399,7 +399,14 @@ def _write_checkpoint_files(
                 shutil.copy2(self.checkpoint_dir / name, tmp / name)
         if self.multimodal_type is not None:  # the text decoder's own config
             (tmp / "config.json").write_text(json.dumps(self.config, indent=2))
-    if "adapter" in state_dict:
+    fused = MODEL_FAMILIES[self.hf_model_type].fused_keys
+    if "adapter" in state_dict and fused:
+        print(
+            f"No PEFT adapter/ folder: {self.hf_model_type} checkpoints fuse "
+            f"{', '.join(k.split('.')[-2] for k in fused)}, where an adapter on one "
+            "of their parts has no PEFT form; the saved model has it merged."
+        )
+    elif "adapter" in state_dict:
         self._write_peft_adapter(state_dict, tmp / "adapter", dims)
     if intermediate_checkpoint:
         recipe_state = {

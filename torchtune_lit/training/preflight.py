@@ -159,6 +159,7 @@ FORMAT_FAMILIES = {
         t for t, f in MODEL_FAMILIES.items() if f.chat_format == family.chat_format
     )
     for family in MODEL_FAMILIES.values()
+    if family.chat_format is not None  # None: the checkpoint's own template
 }
 
 
