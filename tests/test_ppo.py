@@ -1,9 +1,11 @@
 """PPO through `tunelit run`, from a short SFT and a short reward-model run of the tiny world (made once per module): a
-run logs every metric, starts on its reference (KL 0), is reproducible from its config, saves a policy and a value
-model that transformers loads; settings it cannot honour are refused by name."""
+run logs every metric, starts on its reference (KL 0), is reproducible from its config, resumes exactly after a kill,
+saves a policy and a value model that transformers loads; settings it cannot honour are refused by name."""
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -68,7 +70,6 @@ def test_ppo_runs_reproducibly_and_saves_policy_and_value_model(tmp_path, starts
 
 
 @pytest.mark.parametrize("override, message", [
-    ("resume_from_checkpoint=true", "does not support resume_from_checkpoint"),
     ("ppo_batch_size=3", "ppo_batch_size (3) must divide batch_size (4)"),
     ("gradient_accumulation_steps=2", "set ppo_batch_size instead"),
 ])
@@ -83,3 +84,28 @@ def test_ppo_refuses_a_language_model_as_reward_model(tmp_path, starts):
     result = tunelit_run("ppo_full_finetune_single_device", "--config", "tiny/ppo", starts[0], f"reward_checkpoint_dir={base}",
                          *SMALL, f"output_dir={tmp_path}")
     assert result.returncode != 0 and "has no score.weight: it is not a reward model" in result.stderr, result.stderr[-2000:]
+
+
+def test_ppo_killed_run_resumes_exactly(tmp_path, starts):
+    "Killed after step 4 (last checkpoint: step 4 or 2), the resumed run logs the reference run's numbers."
+    common = ["--config", "tiny/ppo", *starts, *SMALL, "epochs=2", "save_every_n_steps=2", "keep_last_n_checkpoints=2"]
+    recipe = "ppo_full_finetune_single_device"
+    run(recipe, *common, f"output_dir={tmp_path / 'reference'}")
+    expected = records(tmp_path / "reference" / "log.jsonl")
+    assert [r["step"] for r in expected] == list(range(1, 7))
+    killed = tmp_path / "killed"
+    process = subprocess.Popen([TUNELIT, "run", recipe, *common, f"output_dir={killed}"], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    log, deadline = killed / "log.jsonl", time.time() + 300
+    while time.time() < deadline and not (log.is_file() and len(log.read_text().splitlines()) >= 5):
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert len(log.read_text().splitlines()) < 6, "the run finished before it could be killed"
+    resumed = run(recipe, *common, f"output_dir={killed}", "resume_from_checkpoint=true")
+    assert "Resuming from" in resumed.stdout
+    got = records(log)
+    assert [r["step"] for r in got] == list(range(1, 7))
+    for key in ("loss", "policy_loss", "value_loss", "score", "kl", "accuracy"):
+        assert [r[key] for r in got] == [r[key] for r in expected], key
+    assert (killed / "value_epoch_1" / "config.json").is_file()

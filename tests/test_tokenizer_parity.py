@@ -63,16 +63,21 @@ CONVERSATIONS = [
 ]
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
-def family(request, tmp_path_factory):
-    specials, bos, eos, template, builder = FAMILIES[request.param]
-    folder = tmp_path_factory.mktemp(request.param)
+def save_small_bpe(path, specials: list[str]) -> None:
+    "A byte-level BPE of 600 tokens trained on the shipped corpus, with `specials` as its special tokens."
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     bpe.train([_asset_path("tiny/corpus.txt")], trainers.BpeTrainer(vocab_size=600, special_tokens=specials,
                                                                     initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
-    bpe.save(str(folder / "tokenizer.json"))
+    bpe.save(str(path))
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory):
+    specials, bos, eos, template, builder = FAMILIES[request.param]
+    folder = tmp_path_factory.mktemp(request.param)
+    save_small_bpe(folder / "tokenizer.json", specials)
     (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": bos, "eos_token": eos}))
     reference = transformers.PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), bos_token=bos,
                                                      eos_token=eos)
@@ -266,12 +271,7 @@ TEMPLATE_ONLY = {
 def template_only(request, tmp_path_factory):
     specials, bos, eos, template, kwargs = TEMPLATE_ONLY[request.param]
     folder = tmp_path_factory.mktemp(request.param)
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    bpe.train([_asset_path("tiny/corpus.txt")], trainers.BpeTrainer(vocab_size=600, special_tokens=specials,
-                                                                    initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
-    bpe.save(str(folder / "tokenizer.json"))
+    save_small_bpe(folder / "tokenizer.json", specials)
     (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": bos, "eos_token": eos, "chat_template": template}))
     reference = transformers.PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), bos_token=bos,
                                                      eos_token=eos)

@@ -404,11 +404,11 @@ def apply_overrides(
             continue
         top = key.split(".")[0]
         if action == "set" and known_keys is not None and top not in cfg:
-            if top not in known_keys:
+            if top not in known_keys:  # suggest the config's own keys first
+                hint = _closest(top, cfg.keys()) or _closest(top, known_keys)
                 raise ConfigError(
                     f"Override {text!r}: the config has no key {top!r} and no recipe "
-                    f"reads one.{_closest(top, [*cfg.keys(), *known_keys])} To add a "
-                    f"key of your own, write '+{text}'."
+                    f"reads one.{hint} To add a key of your own, write '+{text}'."
                 )
         current = OmegaConf.select(cfg, key, default=None, throw_on_missing=False)
         if (

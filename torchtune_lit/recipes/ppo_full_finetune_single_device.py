@@ -4,9 +4,9 @@
 
 # %% auto #0
 __all__ = ['check_ppo_settings', 'load_scorer', 'PPORun', 'setup', 'trajectory', 'ppo_step', 'ppo_validation', 'save_final',
-           'ppo_summary', 'train', 'recipe_main']
+           'ppo_summary', 'step_weights', 'resume', 'train', 'recipe_main']
 
-# %% ../../nbs/8d_ppo_full_finetune_single_device.ipynb #d2e392c9
+# %% ../../nbs/8d_ppo_full_finetune_single_device.ipynb #609a730a
 import sys
 import time
 from copy import deepcopy
@@ -22,15 +22,9 @@ import torchtune_lit.rlhf as rlhf
 import torchtune_lit.rlhf.rewards as rewards
 import torchtune_lit.training as training
 
-# %% ../../nbs/8d_ppo_full_finetune_single_device.ipynb #86c65587
+# %% ../../nbs/8d_ppo_full_finetune_single_device.ipynb #ee27a203
 def check_ppo_settings(cfg: DictConfig) -> None:
     "Refuse PPO settings this recipe would ignore or fail on later, naming the fix."
-    for key in ("resume_from_checkpoint", "save_every_n_steps"):
-        if cfg.get(key):
-            raise ValueError(
-                f"ppo_full_finetune_single_device does not support {key} yet; remove "
-                "it (the run saves its policy and value model at the end)."
-            )
     if cfg.get("gradient_accumulation_steps", 1) != 1:
         raise ValueError(
             "PPO steps once per mini-batch of ppo_batch_size samples; remove "
@@ -60,7 +54,7 @@ def load_scorer(
     training.load_model_state_dict(model, state)
     return model.to(device=device, dtype=dtype)
 
-# %% ../../nbs/8d_ppo_full_finetune_single_device.ipynb #d2a29cc6
+# %% ../../nbs/8d_ppo_full_finetune_single_device.ipynb #dc1e0871
 @dataclass
 class PPORun:
     "What the PPO loop uses, built by `setup`."
@@ -111,7 +105,7 @@ def setup(cfg: DictConfig) -> PPORun:
         optimizer, lr_scheduler, steps_per_epoch, total_steps,
     )  # fmt: skip
 
-# %% ../../nbs/8d_ppo_full_finetune_single_device.ipynb #beab26cc
+# %% ../../nbs/8d_ppo_full_finetune_single_device.ipynb #023ad877
 def _generator(run: PPORun, *key: int, device: str = None) -> torch.Generator:
     """A generator seeded by the config's seed and the whole numbers `key` (a hash of
     integers only: strings hash differently in every process)."""
@@ -167,7 +161,7 @@ def trajectory(run: PPORun, batch: dict, step: int) -> dict:
         "lengths": torch.tensor([float(len(c)) for c in sampled.completions]),
     }  # fmt: skip
 
-# %% ../../nbs/8d_ppo_full_finetune_single_device.ipynb #f9a2c450
+# %% ../../nbs/8d_ppo_full_finetune_single_device.ipynb #388f8a7c
 def _sample_metrics(run: PPORun, sample: dict) -> dict[str, float]:
     "What the samples say before any update: scores, KL, accuracy, lengths."
     kl = sample["kl"].sum(dim=1)
@@ -216,7 +210,7 @@ def ppo_step(run: PPORun, batch: dict, step: int) -> dict:
     metrics["seconds"] = time.perf_counter() - started
     return metrics
 
-# %% ../../nbs/8d_ppo_full_finetune_single_device.ipynb #6d08fb8d
+# %% ../../nbs/8d_ppo_full_finetune_single_device.ipynb #1cb05e4a
 @torch.no_grad()
 def ppo_validation(run: PPORun) -> dict[str, float]:
     """Greedy answers to the held-out prompts: their mean reward-model score (no
@@ -269,33 +263,58 @@ def ppo_summary(history: list[dict], start: Optional[dict]) -> str:
         )
     return line
 
-# %% ../../nbs/8d_ppo_full_finetune_single_device.ipynb #8e3b2fc8
+# %% ../../nbs/8d_ppo_full_finetune_single_device.ipynb #94f18a60
+def step_weights(run: PPORun) -> dict:
+    "What a step checkpoint holds besides the recipe state: both trained models."
+    return {
+        "model": run.policy.state_dict(),
+        "value_model": run.value_model.state_dict(),
+    }
+
+
+def resume(run: PPORun) -> training.ResumePosition:
+    """With resume_from_checkpoint, the newest step checkpoint's policy, value model,
+    optimizer and schedule; where the loop continues."""
+    resumed = training.resume_state(run.cfg, run.policy)
+    if resumed is not None:
+        run.value_model.load_state_dict(resumed["value_model"])
+    return training.resume_position(
+        resumed, run.optimizer, run.lr_scheduler, run.output_dir / "log.jsonl"
+    )
+
+# %% ../../nbs/8d_ppo_full_finetune_single_device.ipynb #754ec093
 def train(cfg: DictConfig) -> dict:
     """Run the recipe; returns the step metrics, the held-out metrics before training,
     the saved folders and the run."""
     run = setup(cfg)
+    start = resume(run)
     if run.val_loader is not None:
         run.start_validation = ppo_validation(run)
         print(
-            f"validation before step 1: score {run.start_validation['val_score']:.3f},"
-            f" accuracy {run.start_validation['val_accuracy']:.1%}",
+            f"validation before step {start.step + 1}: score "
+            f"{run.start_validation['val_score']:.3f}, accuracy "
+            f"{run.start_validation['val_accuracy']:.1%}",
             flush=True,
         )
     reporter = training.StepReporter(
-        run.output_dir, run.total_steps, 0, "ppo", {"score": ".3f", "kl": ".3f"},
-        cfg.get("progress_bar", True),
+        run.output_dir, run.total_steps, start.step, "ppo",
+        {"score": ".3f", "kl": ".3f"}, cfg.get("progress_bar", True),
     )  # fmt: skip
     val_every = cfg.get("run_val_every_n_steps")
     batches = training.resumable_batches(
-        run.loader, run.device, cfg.epochs, run.steps_per_epoch, 1
+        run.loader, run.device, cfg.epochs, run.steps_per_epoch, 1, start
     )
-    for step, (epoch, _, micro) in enumerate(batches, start=1):
+    step = start.step
+    for epoch, i, micro in batches:
+        step += 1
         metrics = ppo_step(run, micro[0], step)
         if run.val_loader is not None and val_every and step % val_every == 0:
             metrics.update(ppo_validation(run))
         reporter.report(epoch, metrics)
+        training.save_step_checkpoint(run, step_weights, epoch, i + 1, step)
     history = reporter.close()
-    print(ppo_summary(history, run.start_validation), flush=True)
+    if history:
+        print(ppo_summary(history, run.start_validation), flush=True)
     policy_dir, value_dir = save_final(run)
     print(f"Saved the policy to {policy_dir} and the value model to {value_dir}")
     return {"history": history, "start": run.start_validation, "run": run,
@@ -307,7 +326,7 @@ def recipe_main(cfg: DictConfig) -> None:
     "Entry point: `tunelit run ppo_full_finetune_single_device --config tiny/ppo`."
     train(cfg)
 
-# %% ../../nbs/8d_ppo_full_finetune_single_device.ipynb #f016dda0
+# %% ../../nbs/8d_ppo_full_finetune_single_device.ipynb #d2d915f5
 #| eval: false
 if __name__ == "__main__":
     sys.exit(recipe_main())

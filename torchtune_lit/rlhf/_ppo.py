@@ -5,13 +5,13 @@
 # %% auto #0
 __all__ = ['masked_mean', 'masked_whiten', 'get_rewards_ppo', 'estimate_advantages', 'PPOLoss', 'token_values']
 
-# %% ../../nbs/68_ppo.ipynb #8258420c
+# %% ../../nbs/68_ppo.ipynb #ff31a884
 from typing import Optional
 
 import torch
 from torch import nn
 
-# %% ../../nbs/68_ppo.ipynb #d3840f54
+# %% ../../nbs/68_ppo.ipynb #e8c98714
 def masked_mean(
     x: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None
 ) -> torch.Tensor:
@@ -27,9 +27,9 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     (other positions are 0)."""
     mean = masked_mean(x, mask)
     variance = masked_mean((x - mean) ** 2, mask)
-    return (x - mean) * torch.rsqrt(variance + 1e-8) * mask
+    return (x - mean) * torch.rsqrt(variance + 1e-8) * mask + 0.0  # +0, not -0
 
-# %% ../../nbs/68_ppo.ipynb #411ce77f
+# %% ../../nbs/68_ppo.ipynb #4bb3f417
 def get_rewards_ppo(
     scores: torch.Tensor,
     logps: torch.Tensor,
@@ -48,7 +48,7 @@ def get_rewards_ppo(
     rewards[torch.arange(len(scores)), last] += scores
     return rewards, kl
 
-# %% ../../nbs/68_ppo.ipynb #a92a4c3e
+# %% ../../nbs/68_ppo.ipynb #0cdb45e8
 def estimate_advantages(
     values: torch.Tensor,
     rewards: torch.Tensor,
@@ -71,7 +71,7 @@ def estimate_advantages(
     returns = (advantages + values) * masks
     return masked_whiten(advantages, masks), returns
 
-# %% ../../nbs/68_ppo.ipynb #957ca371
+# %% ../../nbs/68_ppo.ipynb #c1234336
 class PPOLoss(nn.Module):
     """PPO's clipped policy loss + `value_coeff` x its clipped value loss, each a mean
     over the answer tokens (Schulman et al. 2017; Ouyang et al. 2022).
@@ -123,7 +123,7 @@ class PPOLoss(nn.Module):
         }
         return policy_loss + self.value_coeff * value_loss, stats
 
-# %% ../../nbs/68_ppo.ipynb #57e4a55b
+# %% ../../nbs/68_ppo.ipynb #a2f97245
 def token_values(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     "The value model's output at every position of `tokens` [n, L] -> [n, L] (fp32)."
     output = model(tokens)

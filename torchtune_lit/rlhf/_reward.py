@@ -6,7 +6,7 @@
 __all__ = ['with_score_head', 'tiny_llama_reward', 'sequence_scores', 'bradley_terry_loss', 'save_reward_model',
            'reward_model_state_dict']
 
-# %% ../../nbs/67_reward_model.ipynb #15d092dd
+# %% ../../nbs/67_reward_model.ipynb #74a30a07
 import json
 import os
 import shutil
@@ -21,7 +21,7 @@ from ..models.convert_weights import hf_to_tune, tune_to_hf
 from ..models.tiny import tiny_llama
 from ..modules.transformer import TransformerDecoder
 
-# %% ../../nbs/67_reward_model.ipynb #51897cad
+# %% ../../nbs/67_reward_model.ipynb #04162fdd
 def with_score_head(
     model: TransformerDecoder, num_classes: int = 1
 ) -> TransformerDecoder:
@@ -51,24 +51,26 @@ def sequence_scores(
     last = (positions * real).argmax(dim=1)  # the rightmost real token
     return scores[torch.arange(len(tokens)), last, 0].float()
 
-# %% ../../nbs/67_reward_model.ipynb #7d26b1d9
+# %% ../../nbs/67_reward_model.ipynb #15b16857
 def bradley_terry_loss(
     chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor
 ) -> torch.Tensor:
     "-log sigmoid(r_chosen - r_rejected) per pair (InstructGPT's reward-model loss)."
     return -F.logsigmoid(chosen_rewards.float() - rejected_rewards.float())
 
-# %% ../../nbs/67_reward_model.ipynb #6f858745
+# %% ../../nbs/67_reward_model.ipynb #1190ca2e
 def save_reward_model(
     state_dict: dict[str, torch.Tensor],
     base_config: dict,
     folder: Path,
     pad_id: int = 0,
     support_files: Path = None,
+    recipe_state: dict = None,
 ) -> Path:
     """Write a reward model's state dict (torchtune_lit keys, `output.weight` the score
     head) to `folder` as a Hugging Face `...ForSequenceClassification`, atomically:
-    weights, and `config.json` from the base model's with one label and `pad_id`."""
+    weights, and `config.json` from the base model's with one label and `pad_id` (and,
+    for a step checkpoint, `recipe_state` as recipe_state.pt)."""
     from torchtune_lit.training.checkpointing import (
         _recover_interrupted_save,
         _replace_folder,
@@ -105,6 +107,8 @@ def save_reward_model(
     try:
         write_hf_weights(hf, tmp)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        if recipe_state is not None:
+            torch.save(recipe_state, tmp / "recipe_state.pt")
         for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"):
             if support_files is not None and (Path(support_files) / name).is_file():
                 shutil.copy2(Path(support_files) / name, tmp / name)
@@ -114,7 +118,7 @@ def save_reward_model(
     _replace_folder(tmp, folder)
     return folder
 
-# %% ../../nbs/67_reward_model.ipynb #b7e9a796
+# %% ../../nbs/67_reward_model.ipynb #33708cc6
 def reward_model_state_dict(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
     """The torchtune_lit state dict of a Hugging Face sequence-classifier folder (as
     `save_reward_model` writes it): the body's keys converted, `score.weight` as the

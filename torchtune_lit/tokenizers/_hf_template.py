@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['compile_chat_template', 'HuggingFaceModelTokenizer']
 
-# %% ../../nbs/42b_hf_chat_template.ipynb #41aa46db
+# %% ../../nbs/42b_hf_chat_template.ipynb #c5d25b5a
 import json
 from datetime import datetime
 from pathlib import Path
@@ -15,10 +15,25 @@ from ..data._messages import Message, validate_messages
 from ._base import HuggingFaceBaseTokenizer
 from ._chat import _check_max_seq_len, _truncate
 
-# %% ../../nbs/42b_hf_chat_template.ipynb #2245ee35
+# %% ../../nbs/42b_hf_chat_template.ipynb #1a58635f
+def _generation_blocks():
+    "The `{% generation %}` tag of transformers' templates, rendered as its content."
+    import jinja2.ext
+
+    class GenerationBlocks(jinja2.ext.Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):  # the body, as if the tags were not there
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+    return GenerationBlocks
+
+
 def compile_chat_template(template: str):
     """A Jinja chat template compiled as transformers compiles it (sandboxed, trim and
-    lstrip blocks, loop controls, `tojson`, `raise_exception`, `strftime_now`)."""
+    lstrip blocks, loop controls, `{% generation %}`, `tojson`, `raise_exception`,
+    `strftime_now`)."""
     import jinja2
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -33,25 +48,27 @@ def compile_chat_template(template: str):
         )  # fmt: skip
 
     env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[loopcontrols, _generation_blocks()],
     )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env.from_string(template)
 
-
+# %% ../../nbs/42b_hf_chat_template.ipynb #95e4f84d
 def _template_text(config: dict, path: Path) -> str:
-    """The default chat template of a tokenizer_config.json (a string or a named list),
-    else of the chat_template.jinja / chat_template.json that newer checkpoints keep
-    beside it."""
+    """The checkpoint's chat template: chat_template.jinja beside `path` (which
+    transformers prefers), else tokenizer_config.json's entry (a string, or the
+    "default" of a named list), else a processor's chat_template.json."""
+    jinja = path.with_name("chat_template.jinja")
+    as_json = path.with_name("chat_template.json")
     template = config.get("chat_template")
     if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
         named = {t["name"]: t["template"] for t in template}
         template = named.get("default")
-    jinja = path.with_name("chat_template.jinja")
-    as_json = path.with_name("chat_template.json")
-    if not template and jinja.is_file():
+    if jinja.is_file():
         template = jinja.read_text()
     elif not template and as_json.is_file():
         template = json.loads(as_json.read_text()).get("chat_template")
@@ -70,7 +87,7 @@ def _token_text(value: Any) -> str:
         return value.get("content", "")
     return value or ""
 
-# %% ../../nbs/42b_hf_chat_template.ipynb #27bf1d38
+# %% ../../nbs/42b_hf_chat_template.ipynb #e9133e6f
 class HuggingFaceModelTokenizer:
     """Messages -> (tokens, mask) with the checkpoint's own chat template; mask True
     where not trained (everything but the assistant turns' answers and end text)."""
@@ -96,8 +113,12 @@ class HuggingFaceModelTokenizer:
         self.template = compile_chat_template(
             chat_template or _template_text(config, config_path)
         )
-        self.bos_token = _token_text(config.get("bos_token"))
-        self.eos_token = _token_text(config.get("eos_token"))
+        self.special_tokens = {  # the names templates use, as transformers passes them
+            name: _token_text(config.get(name))
+            for name in ("bos_token", "eos_token", "unk_token", "pad_token")
+        }
+        self.bos_token = self.special_tokens["bos_token"]
+        self.eos_token = self.special_tokens["eos_token"]
         self.template_kwargs = dict(template_kwargs or {})
         self.max_seq_len, self.vocab_size = max_seq_len, self.base.vocab_size
         self.bos_id, self.eos_id = self.base.bos_id, self.base.eos_id
@@ -106,31 +127,35 @@ class HuggingFaceModelTokenizer:
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         "The template's text for `messages` ({'role', 'content'} dicts)."
         return self.template.render(
-            messages=messages, bos_token=self.bos_token, eos_token=self.eos_token,
-            add_generation_prompt=add_generation_prompt, **self.template_kwargs,
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            **self.special_tokens, **self.template_kwargs,
         )  # fmt: skip
 
-    def _end_of_turn_id(self) -> Optional[int]:
-        "The first token the template writes after an assistant answer (else EOS)."
-        probe = [
-            {"role": "user", "content": "a"},
-            {"role": "assistant", "content": "b"},
-        ]
-        try:
-            whole = self.render(probe)
-        except Exception:  # a template with requirements of its own: fall back
-            return self.eos_id
-        after = whole[whole.rindex("b") + 1 :]
-        ids = self.base.tokenizer.encode(after, add_special_tokens=False).ids
-        specials = {
-            t.content for t in self.base.tokenizer.get_added_tokens_decoder().values()
-        }
-        for token_id in ids:
-            if self.base.tokenizer.id_to_token(token_id) in specials:
-                return token_id
+# %% ../../nbs/42b_hf_chat_template.ipynb #b0c0030f
+def _end_of_turn_id(self: HuggingFaceModelTokenizer) -> Optional[int]:
+    "The first token the template writes after an assistant answer (else EOS)."
+    probe = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b"},
+    ]
+    try:
+        whole = self.render(probe)
+    except Exception:  # a template with requirements of its own: fall back
         return self.eos_id
+    after = whole[whole.rindex("b") + 1 :]
+    ids = self.base.tokenizer.encode(after, add_special_tokens=False).ids
+    specials = {
+        t.content for t in self.base.tokenizer.get_added_tokens_decoder().values()
+    }
+    for token_id in ids:
+        if self.base.tokenizer.id_to_token(token_id) in specials:
+            return token_id
+    return self.eos_id
 
-# %% ../../nbs/42b_hf_chat_template.ipynb #ede70cda
+
+HuggingFaceModelTokenizer._end_of_turn_id = _end_of_turn_id
+
+# %% ../../nbs/42b_hf_chat_template.ipynb #4cb8bfed
 def _found_span(
     tokenizer: HuggingFaceModelTokenizer,
     turns: list[dict],
@@ -157,7 +182,8 @@ def _found_span(
     if tokenizer.eot_id is not None:  # through the end-of-turn token after it
         end_of_turn = tokenizer.base.tokenizer.id_to_token(tokenizer.eot_id)
         at = text.find(end_of_turn, end)
-        end = at + len(end_of_turn) if at >= 0 else end
+        if at >= 0 and not text[end:at].strip():  # right after the answer only
+            end = at + len(end_of_turn)
     return start, end
 
 
@@ -183,7 +209,24 @@ def _trained_spans(
             spans.append(found)
     return spans
 
-# %% ../../nbs/42b_hf_chat_template.ipynb #110d5e41
+# %% ../../nbs/42b_hf_chat_template.ipynb #0f73dd32
+def _warn_dropped_system(
+    tokenizer: HuggingFaceModelTokenizer, turns: list[dict], text: str
+) -> None:
+    """Say once per tokenizer when the template leaves a system message out of the
+    text (Mistral NeMo's does, once the conversation ends with an answer)."""
+    dropped = [
+        t for t in turns if t["role"] == "system" and t["content"].strip() not in text
+    ]
+    if dropped and not getattr(tokenizer, "_warned_dropped_system", False):
+        tokenizer._warned_dropped_system = True
+        print(
+            "WARNING: the chat template left a system message out of the rendered "
+            "conversation (the model never sees it); check the template, or put the "
+            "instruction into the first user message."
+        )
+
+
 def _tokenize_messages(
     self: HuggingFaceModelTokenizer,
     messages: list[Message],
@@ -194,6 +237,7 @@ def _tokenize_messages(
     validate_messages(messages)
     turns = [{"role": m.role, "content": m.content} for m in messages]
     text = self.render(turns, add_generation_prompt)
+    _warn_dropped_system(self, turns, text)
     masked = [m.masked for m in messages]
     spans = _trained_spans(self, turns, masked, text, add_generation_prompt)
     encoding = self.base.tokenizer.encode(text, add_special_tokens=False)

@@ -7,7 +7,7 @@ __all__ = ['lora_gemma3', 'lora_gemma3_1b', 'qlora_gemma3_1b', 'lora_gemma3_4b',
            'qlora_gemma3_12b', 'lora_gemma3_27b', 'qlora_gemma3_27b', 'gemma3', 'gemma3_1b', 'gemma3_4b', 'gemma3_12b',
            'gemma3_27b']
 
-# %% ../../../nbs/27b_gemma3.ipynb #a1c74e09
+# %% ../../../nbs/27b_gemma3.ipynb #c789c8b0
 import math
 from typing import Optional
 
@@ -20,7 +20,7 @@ from torchtune_lit.modules.position_embeddings import (
 )
 from ...modules.transformer import TransformerDecoder
 
-# %% ../../../nbs/27b_gemma3.ipynb #974a2637
+# %% ../../../nbs/27b_gemma3.ipynb #ea092af4
 def gemma3(
     vocab_size: int,
     num_layers: int,
@@ -73,7 +73,7 @@ def gemma3(
         ),
     )
 
-# %% ../../../nbs/27b_gemma3.ipynb #87fdd9a2
+# %% ../../../nbs/27b_gemma3.ipynb #0ff7ad77
 def gemma3_1b() -> TransformerDecoder:
     "gemma-3-1b(-it): text only, window 512, no RoPE scaling."
     return gemma3(
@@ -128,7 +128,7 @@ def gemma3_27b() -> TransformerDecoder:
     "gemma-3-27b(-it)'s text decoder."
     return _gemma3_large(62, 32, 128, 5376, 21_504, query_pre_attn_scalar=168)
 
-# %% ../../../nbs/27b_gemma3.ipynb #488f0adf
+# %% ../../../nbs/27b_gemma3.ipynb #a41e12ad
 from ...modules.peft import lora_builder
 
 lora_gemma3 = lora_builder(gemma3, "lora_gemma3")

@@ -5,14 +5,14 @@
 # %% auto #0
 __all__ = ['lora_phi3', 'lora_phi3_mini', 'qlora_phi3_mini', 'phi3', 'phi3_mini']
 
-# %% ../../../nbs/33_phi3.ipynb #c2494e37
+# %% ../../../nbs/33_phi3.ipynb #32cb49e5
 from typing import Optional
 
 from .._decoder_builder import build_decoder
 from ...modules.position_embeddings import RotaryPositionalEmbeddings
 from ...modules.transformer import TransformerDecoder
 
-# %% ../../../nbs/33_phi3.ipynb #33b8f1c1
+# %% ../../../nbs/33_phi3.ipynb #2dd3d9d1
 def phi3(
     vocab_size: int,
     num_layers: int,
@@ -57,7 +57,7 @@ def phi3_mini() -> TransformerDecoder:
         sliding_window=2047,
     )
 
-# %% ../../../nbs/33_phi3.ipynb #8ab46280
+# %% ../../../nbs/33_phi3.ipynb #2ed50a05
 from ...modules.peft import lora_builder
 
 lora_phi3 = lora_builder(phi3, "lora_phi3")

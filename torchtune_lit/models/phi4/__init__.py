@@ -5,12 +5,12 @@
 # %% auto #0
 __all__ = ['lora_phi4_14b', 'qlora_phi4_14b', 'phi4_14b']
 
-# %% ../../../nbs/33b_phi4.ipynb #85f183a3
+# %% ../../../nbs/33b_phi4.ipynb #b879f30b
 from ..phi3 import phi3
 from ...modules.peft import lora_builder
 from ...modules.transformer import TransformerDecoder
 
-# %% ../../../nbs/33b_phi4.ipynb #aec16893
+# %% ../../../nbs/33b_phi4.ipynb #c5e27cce
 def phi4_14b() -> TransformerDecoder:
     "microsoft/phi-4: 40 layers, 40 query and 10 key/value heads, RoPE base 250,000."
     return phi3(
