@@ -273,7 +273,9 @@ def test_ctrl_c_exits_cleanly_and_names_the_last_checkpoint(tmp_path):
     process = subprocess.Popen(
         [TUNELIT, "run", "lora_finetune_single_device", "--config", "tiny/lora", f"output_dir={run}",
          "progress_bar=false", "preflight=false", "save_every_n_steps=1", "run_val_every_n_steps=null"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        # a suite started in the background (`make test &`) ignores SIGINT, and children inherit that
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 120
     # any step checkpoint (they are pruned to the newest two, so a given step_N may be gone before it is seen)
     while not any(run.glob("step_*/recipe_state.pt")) and time.time() < deadline:
