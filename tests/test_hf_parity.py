@@ -44,6 +44,20 @@ FAMILIES = {
     "phi3_fused_window": (transformers.Phi3Config, "PHI4",
                dict(sliding_window=4, pad_token_id=0, bos_token_id=1, eos_token_id=2,
                     rope_parameters={"rope_type": "default", "rope_theta": 250_000.0})),
+    # Phi-4-mini's RoPE: 6 of 8 channels rotated, LongRoPE with random factors, tied output. With an original
+    # context of 64 every call uses the short factors; with 2, every call (even the 3-token prefill) the long ones.
+    "phi4_mini_partial_longrope_short": (transformers.Phi3Config, "PHI4",
+               dict(tie_word_embeddings=True, partial_rotary_factor=0.75, original_max_position_embeddings=64,
+                    pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                    rope_parameters={"rope_type": "longrope", "rope_theta": 10_000.0, "partial_rotary_factor": 0.75,
+                                     "short_factor": [1.0, 1.7, 0.9],
+                                     "long_factor": [1.0, 4.0, 19.0]})),
+    "phi4_mini_partial_longrope_long": (transformers.Phi3Config, "PHI4",
+               dict(tie_word_embeddings=True, partial_rotary_factor=0.75, original_max_position_embeddings=2,
+                    pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                    rope_parameters={"rope_type": "longrope", "rope_theta": 10_000.0, "partial_rotary_factor": 0.75,
+                                     "short_factor": [1.0, 1.7, 0.9],
+                                     "long_factor": [1.0, 4.0, 19.0]})),
     "gemma3_qk_norm_two_ropes": (transformers.Gemma3TextConfig, "GEMMA3",
                dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=4,
                     layer_types=["sliding_attention", "sliding_attention", "full_attention"],
@@ -104,6 +118,18 @@ def test_kv_cache_decoding_matches_transformers_token_by_token(family):
         finally:
             ours.remove_caches()
     torch.testing.assert_close(torch.cat(steps, dim=1), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_saved_checkpoint_loads_back_in_transformers_with_equal_logits(family, tmp_path):
+    "Our checkpointer writes the model back (row order, fused matrices, tied output) as transformers reads it."
+    ours, hf_model, name = family
+    hf_model.save_pretrained(tmp_path / "in")
+    checkpointer = FullModelHFCheckpointer(tmp_path / "in", output_dir=tmp_path / "out")
+    folder = checkpointer.save_checkpoint({"model": ours.state_dict()}, epoch=0)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+    tokens = torch.randint(0, SMALL["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(tokens).logits, hf_model(tokens).logits, atol=1e-5, rtol=1e-5)
 
 
 def test_a_missing_permutation_would_be_caught(family):
@@ -186,6 +212,10 @@ PUBLISHED = {
     "phi4.phi4_14b": (transformers.Phi3Config, dict(vocab_size=100352, hidden_size=5120, intermediate_size=17920,
                       num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=10,
                       max_position_embeddings=16384, rope_theta=250000.0)),
+    "phi4.phi4_mini": (transformers.Phi3Config, dict(vocab_size=200064, hidden_size=3072, intermediate_size=8192,
+                       num_hidden_layers=32, num_attention_heads=24, num_key_value_heads=8, tie_word_embeddings=True,
+                       max_position_embeddings=131072, original_max_position_embeddings=4096,
+                       partial_rotary_factor=0.75, pad_token_id=199999)),
     "gemma3.gemma3_1b": (transformers.Gemma3TextConfig, dict(vocab_size=262144, hidden_size=1152, intermediate_size=6912,
                          num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
                          query_pre_attn_scalar=256, sliding_window=512)),

@@ -6,7 +6,7 @@
 __all__ = ['MODEL_FAMILIES', 'GEMMA3_TEXT_DEFAULTS', 'MULTIMODAL_WRAPPERS', 'ModelFamily', 'get_family', 'text_decoder_config',
            'text_decoder_weights']
 
-# %% ../../nbs/29_model_families.ipynb #7d0ea905
+# %% ../../nbs/29_model_families.ipynb #6565da7b
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -32,7 +32,7 @@ class ModelFamily:
     # Hugging Face keys of fused projections -> the keys they split into, in order
     fused_keys: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
-# %% ../../nbs/29_model_families.ipynb #360df833
+# %% ../../nbs/29_model_families.ipynb #282b75e3
 _COMMON_KEYS = {
     "model.embed_tokens.weight": "tok_embeddings.weight",
     "model.norm.weight": "norm.scale",
@@ -80,7 +80,7 @@ _GEMMA3_KEYS = {
     "model.layers.{}.self_attn.k_norm.weight": "layers.{}.attn.k_norm.scale",
 }
 
-# %% ../../nbs/29_model_families.ipynb #124dc8a6
+# %% ../../nbs/29_model_families.ipynb #31f7d94b
 def _check_swiglu(cfg: dict[str, Any], model_type: str) -> None:
     "Refuse an MLP other than SwiGLU without biases (Llama, Qwen 2 and Mistral's)."
     activation = cfg.get("hidden_act", "silu")
@@ -120,15 +120,13 @@ def _mistral_settings(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _phi3_settings(cfg: dict[str, Any]) -> dict[str, Any]:
-    "Phi-3 / Phi-4: Llama's layout, a sliding window on every layer when set."
+    """Phi-3 / Phi-4: Llama's layout, a sliding window on every layer when set and
+    shorter than the context (Phi-4-mini's 262,144 is not: it masks nothing)."""
     _check_swiglu(cfg, "phi3")
-    rotary = cfg.get("partial_rotary_factor", 1.0)
-    if rotary != 1.0:
-        raise NotImplementedError(
-            f"phi3 with partial_rotary_factor={rotary} (Phi-4-mini) is not supported "
-            "yet: it rotates only part of each head."
-        )
-    return dict(sliding_window=cfg.get("sliding_window"))
+    window = cfg.get("sliding_window")
+    if window is not None and window >= cfg["max_position_embeddings"]:
+        window = None
+    return dict(sliding_window=window)
 
 
 def _qwen3_settings(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -141,7 +139,7 @@ def _qwen3_settings(cfg: dict[str, Any]) -> dict[str, Any]:
         )
     return dict(qk_norm=True)
 
-# %% ../../nbs/29_model_families.ipynb #e2747d21
+# %% ../../nbs/29_model_families.ipynb #13c26f63
 def _gemma2_settings(cfg: dict[str, Any]) -> dict[str, Any]:
     "Gemma 2: post-norms, GeGLU, score scale, soft-caps, scaled embeddings, windows."
     layer_types = cfg.get("layer_types") or [
@@ -173,7 +171,7 @@ def _gemma3_settings(cfg: dict[str, Any]) -> dict[str, Any]:
     ]
     return _gemma2_settings({**cfg, "layer_types": layer_types}) | dict(qk_norm=True)
 
-# %% ../../nbs/29_model_families.ipynb #bd5710ae
+# %% ../../nbs/29_model_families.ipynb #9e0ecd11
 MODEL_FAMILIES = {
     family.hf_model_type: family
     for family in (
@@ -241,7 +239,7 @@ MODEL_FAMILIES = {
     )
 }
 
-# %% ../../nbs/29_model_families.ipynb #1cbab41c
+# %% ../../nbs/29_model_families.ipynb #c4a871c0
 def get_family(model_type: str) -> ModelFamily:
     """The family of a Hugging Face model_type ('qwen2') or of one of torchtune's names
     for it ('QWEN2_5').
@@ -255,7 +253,7 @@ def get_family(model_type: str) -> ModelFamily:
         f"{sorted(MODEL_FAMILIES)} and torchtune's names {sorted(tune_names)}."
     )
 
-# %% ../../nbs/29_model_families.ipynb #ab59eb38
+# %% ../../nbs/29_model_families.ipynb #796537e1
 # transformers' defaults for a Gemma 3 text config (Gemma3TextConfig), which the Hub's
 # multimodal config.json files do not repeat
 GEMMA3_TEXT_DEFAULTS = {

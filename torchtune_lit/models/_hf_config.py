@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['SUPPORTED_MODEL_TYPES', 'read_hf_config', 'rope_from_hf_config', 'build_from_hf_config']
 
-# %% ../../nbs/31_hf_config.ipynb #d5cb5620
+# %% ../../nbs/31_hf_config.ipynb #389f4c66
 import json
 from pathlib import Path
 from typing import Any, Union
@@ -17,11 +17,13 @@ from ._families import MODEL_FAMILIES
 from torchtune_lit.modules.position_embeddings import (
     LinearScaledRoPE,
     Llama3ScaledRoPE,
+    LongRoPE,
     RotaryPositionalEmbeddings,
+    longrope_attention_factor,
 )
 from ..modules.transformer import TransformerDecoder
 
-# %% ../../nbs/31_hf_config.ipynb #6562b997
+# %% ../../nbs/31_hf_config.ipynb #02a0c620
 SUPPORTED_MODEL_TYPES = tuple(MODEL_FAMILIES)
 
 
@@ -42,7 +44,7 @@ def read_hf_config(path_or_dict: Union[str, Path, dict]) -> dict[str, Any]:
         )
     return json.loads(path.read_text())
 
-# %% ../../nbs/31_hf_config.ipynb #7078df15
+# %% ../../nbs/31_hf_config.ipynb #2a2dc4cc
 def _rope_parameters(cfg: dict[str, Any], layer_type: str) -> dict[str, Any]:
     """The RoPE settings of `layer_type`'s layers: transformers 5 nests them per layer
     type when they differ (Gemma 3); older configs give `rope_local_base_freq` for the
@@ -61,19 +63,20 @@ def rope_from_hf_config(
     max_seq_len: int,
     layer_type: str = "full_attention",
 ) -> nn.Module:
-    """RoPE (plain, Llama 3.1-scaled or linearly scaled) of `layer_type`'s layers from
-    either `rope_parameters` (transformers 5) or `rope_theta`/`rope_scaling`.
+    """RoPE (plain, Llama 3.1-scaled, linearly scaled or LongRoPE) of `layer_type`'s
+    layers from either `rope_parameters` (transformers 5) or `rope_theta` /
+    `rope_scaling`, over head_dim x `partial_rotary_factor` channels of each head.
     """
     params = _rope_parameters(cfg, layer_type)
     base = params.get("rope_theta", cfg.get("rope_theta", 10_000.0))
     rope_type = params.get("rope_type", params.get("type", "default"))
+    rotary = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    dim = int(head_dim * (rotary or 1.0))  # the channels rotated
     if rope_type == "default":
-        return RotaryPositionalEmbeddings(
-            dim=head_dim, max_seq_len=max_seq_len, base=base
-        )
+        return RotaryPositionalEmbeddings(dim=dim, max_seq_len=max_seq_len, base=base)
     if rope_type == "llama3":
         return Llama3ScaledRoPE(
-            dim=head_dim,
+            dim=dim,
             max_seq_len=max_seq_len,
             base=base,
             scale_factor=params["factor"],
@@ -83,17 +86,41 @@ def rope_from_hf_config(
         )
     if rope_type == "linear":
         return LinearScaledRoPE(
-            dim=head_dim,
-            max_seq_len=max_seq_len,
-            base=base,
-            scale_factor=params["factor"],
+            dim=dim, max_seq_len=max_seq_len, base=base, scale_factor=params["factor"]
         )
+    if rope_type in ("longrope", "su"):  # "su": older Phi-3 files' name for it
+        return _long_rope(cfg, params, dim, max_seq_len, base)
     raise NotImplementedError(
         f"rope_type {rope_type!r} is not supported yet "
-        "(supported: 'default', 'llama3', 'linear')."
+        "(supported: 'default', 'llama3', 'linear', 'longrope')."
     )
 
-# %% ../../nbs/31_hf_config.ipynb #cd5c7037
+# %% ../../nbs/31_hf_config.ipynb #4e4f5981
+def _long_rope(
+    cfg: dict[str, Any], params: dict[str, Any], dim: int, max_seq_len: int, base: float
+) -> LongRoPE:
+    """LongRoPE as transformers builds it: the original context from the RoPE settings
+    or the config's top level, the attention factor from `factor` when one is given,
+    else from max_position_embeddings / original."""
+    original = params.get(
+        "original_max_position_embeddings",
+        cfg.get("original_max_position_embeddings", max_seq_len),
+    )
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        stretch = params.get("factor") or max_seq_len / original
+        attention_factor = longrope_attention_factor(stretch, original)
+    return LongRoPE(
+        dim=dim,
+        short_factor=params["short_factor"],
+        long_factor=params["long_factor"],
+        max_seq_len=max_seq_len,
+        base=base,
+        original_max_seq_len=original,
+        attention_factor=attention_factor,
+    )
+
+# %% ../../nbs/31_hf_config.ipynb #ceac9780
 def build_from_hf_config(path_or_dict: Union[str, Path, dict]) -> TransformerDecoder:
     """The decoder that a Hugging Face `config.json` (path, folder or dict) describes:
     Llama 3.x, Mistral, Qwen 2/2.5/3, Phi-3/4, Gemma 2 or Gemma 3 (text).

@@ -4,10 +4,10 @@
 
 # %% auto #0
 __all__ = ['KEY_MAPS', 'PEFT_MODULE_NAMES', 'permute_hf_to_meta', 'permute_meta_to_hf', 'CheckpointConversionError',
-           'split_fused', 'fuse_split', 'hf_to_tune', 'tune_to_hf', 'tune_to_peft_adapter_weights',
-           'tune_to_peft_adapter_config']
+           'split_fused', 'fuse_split', 'hf_to_tune', 'tune_to_hf', 'head_and_rotary_dims', 'hf_conversion_dims',
+           'tune_to_peft_adapter_weights', 'tune_to_peft_adapter_config']
 
-# %% ../../nbs/30_convert_weights.ipynb #cb97d73c
+# %% ../../nbs/30_convert_weights.ipynb #11144b44
 import re
 from typing import Optional
 
@@ -15,33 +15,44 @@ import torch
 
 from ._families import MODEL_FAMILIES
 
-# %% ../../nbs/30_convert_weights.ipynb #d20d911d
-def permute_hf_to_meta(t: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
+# %% ../../nbs/30_convert_weights.ipynb #eb96f5de
+def permute_hf_to_meta(
+    t: torch.Tensor, num_heads: int, head_dim: int, rotary_dim: Optional[int] = None
+) -> torch.Tensor:
     """Reorder the rows of a q/k projection weight [heads*head_dim, in] or bias
-    [heads*head_dim] from rotate-half to interleaved pairs.
+    [heads*head_dim] from rotate-half to interleaved pairs. Only the first
+    `rotary_dim` rows of each head (default: all) are rotated, so only they move.
     """
-    rest = t.shape[1:]
-    return (
-        t.reshape(num_heads, 2, head_dim // 2, *rest)
+    rest, rotary_dim = t.shape[1:], rotary_dim or head_dim
+    heads = t.reshape(num_heads, head_dim, *rest)
+    rotated = (
+        heads[:, :rotary_dim]
+        .reshape(num_heads, 2, rotary_dim // 2, *rest)
         .transpose(1, 2)
-        .reshape(num_heads * head_dim, *rest)
+        .reshape(num_heads, rotary_dim, *rest)
     )
+    return torch.cat([rotated, heads[:, rotary_dim:]], 1).reshape(t.shape)
 
 
-def permute_meta_to_hf(t: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
+def permute_meta_to_hf(
+    t: torch.Tensor, num_heads: int, head_dim: int, rotary_dim: Optional[int] = None
+) -> torch.Tensor:
     "Inverse of `permute_hf_to_meta`: interleaved pairs back to rotate-half order."
-    rest = t.shape[1:]
-    return (
-        t.reshape(num_heads, head_dim // 2, 2, *rest)
+    rest, rotary_dim = t.shape[1:], rotary_dim or head_dim
+    heads = t.reshape(num_heads, head_dim, *rest)
+    rotated = (
+        heads[:, :rotary_dim]
+        .reshape(num_heads, rotary_dim // 2, 2, *rest)
         .transpose(1, 2)
-        .reshape(num_heads * head_dim, *rest)
+        .reshape(num_heads, rotary_dim, *rest)
     )
+    return torch.cat([rotated, heads[:, rotary_dim:]], 1).reshape(t.shape)
 
-# %% ../../nbs/30_convert_weights.ipynb #d45b1bc0
+# %% ../../nbs/30_convert_weights.ipynb #b46ed509
 # model_type -> {Hugging Face key: ours}, from each family's declaration
 KEY_MAPS = {model_type: family.key_map for model_type, family in MODEL_FAMILIES.items()}
 
-# %% ../../nbs/30_convert_weights.ipynb #fdd510bc
+# %% ../../nbs/30_convert_weights.ipynb #b13a0921
 _IGNORED_HF_KEYS = re.compile(r".*rotary_emb\.inv_freq$")
 _ROPE_ROWS = re.compile(
     r"layers\.\d+\.attn\.([qk])_(proj\.(?:weight|bias)|norm\.scale)$"
@@ -86,7 +97,7 @@ def _translate(key: str, table: dict[str, str]) -> Optional[str]:
         return None
     return table[generic].format(match.group(1)) if match else table[generic]
 
-# %% ../../nbs/30_convert_weights.ipynb #1df9afcc
+# %% ../../nbs/30_convert_weights.ipynb #c866fe37
 def _generic(key: str) -> tuple[str, Optional[str]]:
     "`key` with its layer number written {} (and the number, or None)."
     match = re.search(r"\.(\d+)\.", key)
@@ -136,7 +147,7 @@ def split_fused(
         split.update(zip(parts, value.split(rows)))
     return split
 
-# %% ../../nbs/30_convert_weights.ipynb #cae1e57c
+# %% ../../nbs/30_convert_weights.ipynb #9ab54574
 def fuse_split(
     state_dict: dict[str, torch.Tensor], model_type: str
 ) -> dict[str, torch.Tensor]:
@@ -166,7 +177,7 @@ def fuse_split(
         fused[key] = torch.cat([parts[i] for i in range(expected)])
     return fused
 
-# %% ../../nbs/30_convert_weights.ipynb #0e9995c9
+# %% ../../nbs/30_convert_weights.ipynb #c2552103
 def hf_to_tune(
     state_dict: dict[str, torch.Tensor],
     num_heads: int,
@@ -174,14 +185,17 @@ def hf_to_tune(
     dim: int,
     head_dim: Optional[int] = None,
     model_type: str = "llama",
+    rotary_dim: Optional[int] = None,
     tie_word_embeddings: bool = False,
 ) -> dict[str, torch.Tensor]:
     """A Hugging Face state dict in torchtune_lit's key format, q/k rows permuted for
     interleaved RoPE.
 
     `model_type` is the checkpoint's `config.json` model_type (llama, mistral, qwen2,
-    gemma2). With tied embeddings an `lm_head.weight` in the checkpoint is dropped (it
-    is the embedding matrix).
+    gemma2, ...); `rotary_dim` how many channels of each head RoPE rotates (default
+    all). With tied embeddings an `lm_head.weight` in the checkpoint is dropped (it is
+    the embedding matrix). `hf_conversion_dims(config)` gives every argument but the
+    state dict.
     """
     table, head_dim = _key_map(model_type), head_dim or dim // num_heads
     state_dict = split_fused(state_dict, model_type, num_heads, num_kv_heads, head_dim)
@@ -197,7 +211,7 @@ def hf_to_tune(
             continue
         blocks = _rope_blocks(new_key, num_heads, num_kv_heads)
         if blocks:
-            value = permute_hf_to_meta(value, blocks, head_dim)
+            value = permute_hf_to_meta(value, blocks, head_dim, rotary_dim)
         converted[new_key] = value
     if unknown:
         raise CheckpointConversionError(
@@ -207,7 +221,7 @@ def hf_to_tune(
         )
     return converted
 
-# %% ../../nbs/30_convert_weights.ipynb #204359a2
+# %% ../../nbs/30_convert_weights.ipynb #66ee4a9e
 def tune_to_hf(
     state_dict: dict[str, torch.Tensor],
     num_heads: int,
@@ -215,6 +229,7 @@ def tune_to_hf(
     dim: int,
     head_dim: Optional[int] = None,
     model_type: str = "llama",
+    rotary_dim: Optional[int] = None,
     tie_word_embeddings: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Inverse of `hf_to_tune`: torchtune_lit keys back to Hugging Face names and
@@ -230,7 +245,7 @@ def tune_to_hf(
             continue
         blocks = _rope_blocks(key, num_heads, num_kv_heads)
         if blocks:
-            value = permute_meta_to_hf(value, blocks, head_dim)
+            value = permute_meta_to_hf(value, blocks, head_dim, rotary_dim)
         converted[new_key] = value
     if unknown:
         raise CheckpointConversionError(
@@ -239,7 +254,36 @@ def tune_to_hf(
         )
     return fuse_split(converted, model_type)
 
-# %% ../../nbs/30_convert_weights.ipynb #3924413b
+# %% ../../nbs/30_convert_weights.ipynb #182beba0
+from typing import Any
+
+
+def head_and_rotary_dims(config: dict[str, Any]) -> tuple[int, int]:
+    """A config.json's head width and how many of its channels RoPE rotates:
+    head_dim x partial_rotary_factor (1 unless the config says otherwise)."""
+    head_dim = config.get("head_dim") or (
+        config["hidden_size"] // config["num_attention_heads"]
+    )
+    rope = config.get("rope_parameters") or {}
+    factor = rope.get("partial_rotary_factor", config.get("partial_rotary_factor"))
+    return head_dim, int(head_dim * (factor or 1.0))
+
+
+def hf_conversion_dims(config: dict[str, Any]) -> dict[str, Any]:
+    """The arguments of `hf_to_tune`, `tune_to_hf` and `tune_to_peft_adapter_weights`
+    other than the state dict, from a checkpoint's config.json (a dict)."""
+    num_heads = config["num_attention_heads"]
+    head_dim, rotary_dim = head_and_rotary_dims(config)
+    return dict(
+        num_heads=num_heads,
+        num_kv_heads=config.get("num_key_value_heads") or num_heads,
+        dim=config["hidden_size"],
+        head_dim=head_dim,
+        rotary_dim=rotary_dim,
+        model_type=config["model_type"],
+    )
+
+# %% ../../nbs/30_convert_weights.ipynb #c29f304c
 PEFT_MODULE_NAMES = {
     "q_proj": "q_proj",
     "k_proj": "k_proj",
@@ -265,6 +309,7 @@ def tune_to_peft_adapter_weights(
     dim: int,
     head_dim: Optional[int] = None,
     model_type: str = "llama",
+    rotary_dim: Optional[int] = None,
 ) -> dict[str, torch.Tensor]:
     """Our adapter state dict (`...q_proj.lora_a.weight`) in PEFT's keys and q/k row
     order.
@@ -286,13 +331,14 @@ def tune_to_peft_adapter_weights(
                 value,
                 num_heads if rope_rows.group(1) == "q" else num_kv_heads,
                 head_dim,
+                rotary_dim,
             )
         converted[
             f"base_model.model.{hf_base[: -len('.weight')]}.{_PEFT_SUFFIX[suffix]}"
         ] = value
     return converted
 
-# %% ../../nbs/30_convert_weights.ipynb #a84826c8
+# %% ../../nbs/30_convert_weights.ipynb #aa5fb4b9
 def tune_to_peft_adapter_config(
     adapter_config: dict, base_model_name_or_path: Optional[str] = None
 ) -> dict:

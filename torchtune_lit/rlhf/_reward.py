@@ -17,7 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..models.convert_weights import hf_to_tune, tune_to_hf
+from torchtune_lit.models.convert_weights import (
+    hf_conversion_dims,
+    hf_to_tune,
+    tune_to_hf,
+)
 from ..models.tiny import tiny_llama
 from ..modules.transformer import TransformerDecoder
 
@@ -78,14 +82,9 @@ def save_reward_model(
     )
 
     body = {k: v for k, v in state_dict.items() if k != "output.weight"}
-    heads = base_config["num_attention_heads"]
     hf = tune_to_hf(
         body,
-        num_heads=heads,
-        num_kv_heads=base_config.get("num_key_value_heads") or heads,
-        dim=base_config["hidden_size"],
-        head_dim=base_config.get("head_dim"),
-        model_type=base_config["model_type"],
+        **hf_conversion_dims(base_config),
         tie_word_embeddings=True,  # no lm_head: the score replaces it
     )
     hf["score.weight"] = state_dict["output.weight"]
@@ -140,15 +139,9 @@ def reward_model_state_dict(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
             "...ForSequenceClassification folder); train one with "
             "reward_model_single_device."
         )
-    config = checkpointer.config
-    heads = config["num_attention_heads"]
     state = hf_to_tune(
         tensors,
-        num_heads=heads,
-        num_kv_heads=config.get("num_key_value_heads") or heads,
-        dim=config["hidden_size"],
-        head_dim=config.get("head_dim"),
-        model_type=config["model_type"],
+        **hf_conversion_dims(checkpointer.config),
         tie_word_embeddings=True,  # a sequence classifier has no lm_head
     )
     state["output.weight"] = score

@@ -25,6 +25,7 @@ from torchtune_lit.models._families import (
     text_decoder_weights,
 )
 from torchtune_lit.models.convert_weights import (
+    hf_conversion_dims,
     hf_to_tune,
     tune_to_hf,
     tune_to_peft_adapter_config,
@@ -186,14 +187,9 @@ def _load_checkpoint(
         )
     _check_config_fits(self, merged)
     cfg = self.config
-    num_heads = cfg["num_attention_heads"]
     converted = hf_to_tune(
         merged,
-        num_heads=num_heads,
-        num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-        dim=cfg["hidden_size"],
-        head_dim=cfg.get("head_dim"),
-        model_type=self.hf_model_type,
+        **hf_conversion_dims(cfg),
         tie_word_embeddings=cfg.get(
             "tie_word_embeddings", MODEL_FAMILIES[self.hf_model_type].tied_by_default
         ),
@@ -372,14 +368,7 @@ def _write_checkpoint_files(
     checkpoints) the recipe state.
     """
     cfg = self.config
-    num_heads = cfg["num_attention_heads"]
-    dims = dict(
-        num_heads=num_heads,
-        num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-        dim=cfg["hidden_size"],
-        head_dim=cfg.get("head_dim"),
-        model_type=self.hf_model_type,
-    )
+    dims = hf_conversion_dims(cfg)
     if not adapter_only:
         if "model" not in state_dict:
             raise CheckpointError(

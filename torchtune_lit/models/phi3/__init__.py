@@ -5,14 +5,16 @@
 # %% auto #0
 __all__ = ['lora_phi3', 'lora_phi3_mini', 'qlora_phi3_mini', 'phi3', 'phi3_mini']
 
-# %% ../../../nbs/33_phi3.ipynb #32cb49e5
+# %% ../../../nbs/33_phi3.ipynb #74bed2bd
 from typing import Optional
+
+from torch import nn
 
 from .._decoder_builder import build_decoder
 from ...modules.position_embeddings import RotaryPositionalEmbeddings
 from ...modules.transformer import TransformerDecoder
 
-# %% ../../../nbs/33_phi3.ipynb #2dd3d9d1
+# %% ../../../nbs/33_phi3.ipynb #f2d97581
 def phi3(
     vocab_size: int,
     num_layers: int,
@@ -25,10 +27,15 @@ def phi3(
     norm_eps: float = 1e-5,
     rope_base: float = 10_000.0,
     sliding_window: Optional[int] = None,
+    tie_word_embeddings: bool = False,
+    rope: Optional[nn.Module] = None,
 ) -> TransformerDecoder:
-    """A Phi-3 / Phi-4 decoder: Llama's layers, untied output, an optional sliding
-    window on every layer."""
+    """A Phi-3 / Phi-4 decoder: Llama's layers, an optional sliding window on every
+    layer, the output untied unless `tie_word_embeddings` (Phi-4-mini). `rope` replaces
+    plain RoPE over whole heads (Phi-4-mini: LongRoPE over 96 of 128 channels)."""
     head_dim = embed_dim // num_heads
+    if rope is None:
+        rope = RotaryPositionalEmbeddings(head_dim, max_seq_len, base=rope_base)
     return build_decoder(
         vocab_size=vocab_size,
         num_layers=num_layers,
@@ -40,7 +47,8 @@ def phi3(
         norm_eps=norm_eps,
         attn_dropout=attn_dropout,
         sliding_window=sliding_window,
-        rope=RotaryPositionalEmbeddings(head_dim, max_seq_len, base=rope_base),
+        tie_word_embeddings=tie_word_embeddings,
+        rope=rope,
     )
 
 
@@ -57,7 +65,7 @@ def phi3_mini() -> TransformerDecoder:
         sliding_window=2047,
     )
 
-# %% ../../../nbs/33_phi3.ipynb #2ed50a05
+# %% ../../../nbs/33_phi3.ipynb #e8b228ba
 from ...modules.peft import lora_builder
 
 lora_phi3 = lora_builder(phi3, "lora_phi3")
