@@ -180,3 +180,46 @@ def test_lora_distributed_resumes_from_sharded_checkpoint(tmp_path):
     assert again.returncode == 0, again.stderr[-3000:]
     assert "Resuming from" in again.stdout and "step_3" in again.stdout
     assert losses(tmp_path / "log.jsonl") == uninterrupted      # steps 4-6 recomputed from the shards, bit for bit
+
+
+@pytest.mark.parametrize("processes,batch,port", [(2, 4, "29571"), (4, 2, "29573")])
+def test_tensor_parallel_matches_one_process(tmp_path, processes, batch, port):
+    """tensor_parallel_dim=2: two processes splitting every layer (tp 2), and four on a 2-D mesh (dp 2 x tp 2, FSDP2
+    over dp), log the single-device losses and held-out losses at batch 4 and save the same model. Gloo has every
+    collective this needs (all-reduce, all-gather, reduce-scatter); gradient clipping spans both meshes."""
+    common = ["epochs=1", "max_steps_per_epoch=4", "shuffle=true", "~lr_scheduler", "run_val_every_n_steps=2",
+              "max_validation_batches=null"]
+    single = subprocess.run([TUNELIT, "run", "full_finetune_single_device", "--config", "tiny/full", "batch_size=4",
+                             f"output_dir={tmp_path / 'single'}", "progress_bar=false", *common],
+                            capture_output=True, text=True, timeout=600)
+    assert single.returncode == 0, single.stderr[-3000:]
+    multi = subprocess.run([TUNELIT, "run", "--nproc_per_node", str(processes), "--master_port", port,
+                            "full_finetune_distributed", "--config", "tiny/full_distributed", f"batch_size={batch}",
+                            "tensor_parallel_dim=2", f"output_dir={tmp_path / 'tp'}", *common],
+                           capture_output=True, text=True, timeout=600)
+    assert multi.returncode == 0, multi.stderr[-3000:]
+    a, b = records(tmp_path / "single" / "log.jsonl"), records(tmp_path / "tp" / "log.jsonl")
+    assert len(a) == len(b) == 4
+    for x, y in zip(a, b):
+        for key in ("loss", "val_loss", "grad_norm"):
+            if key in x:
+                assert abs(x[key] - y[key]) <= 1e-4 * abs(x[key]), (key, a, b)
+    ours, theirs = load_file(tmp_path / "tp" / "epoch_0" / "model.safetensors"), load_file(
+        tmp_path / "single" / "epoch_0" / "model.safetensors")
+    assert ours.keys() == theirs.keys()
+    for key in ours:
+        torch.testing.assert_close(ours[key], theirs[key], atol=2e-4, rtol=1e-3, msg=key)
+
+
+def test_tensor_parallel_refuses_what_it_cannot_split(tmp_path):
+    "A LoRA model, or a head count that tensor_parallel_dim does not divide, stops with the reason."
+    lora = subprocess.run([TUNELIT, "run", "--nproc_per_node", "2", "--master_port", "29575",
+                           "lora_finetune_distributed", "--config", "tiny/lora_distributed", "tensor_parallel_dim=2",
+                           f"output_dir={tmp_path / 'lora'}", "max_steps_per_epoch=1"],
+                          capture_output=True, text=True, timeout=600)
+    assert lora.returncode != 0 and "LoRA layers are not split" in lora.stderr
+    odd = subprocess.run([TUNELIT, "run", "--nproc_per_node", "2", "--master_port", "29577",
+                          "full_finetune_distributed", "--config", "tiny/full_distributed", "tensor_parallel_dim=3",
+                          f"output_dir={tmp_path / 'odd'}", "max_steps_per_epoch=1"],
+                         capture_output=True, text=True, timeout=600)
+    assert odd.returncode != 0 and "tensor_parallel_dim=3 must divide the number of processes (2)" in odd.stderr

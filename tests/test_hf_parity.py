@@ -46,18 +46,12 @@ FAMILIES = {
                     rope_parameters={"rope_type": "default", "rope_theta": 250_000.0})),
     # Phi-4-mini's RoPE: 6 of 8 channels rotated, LongRoPE with random factors, tied output. With an original
     # context of 64 every call uses the short factors; with 2, every call (even the 3-token prefill) the long ones.
-    "phi4_mini_partial_longrope_short": (transformers.Phi3Config, "PHI4",
-               dict(tie_word_embeddings=True, partial_rotary_factor=0.75, original_max_position_embeddings=64,
-                    pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                    rope_parameters={"rope_type": "longrope", "rope_theta": 10_000.0, "partial_rotary_factor": 0.75,
-                                     "short_factor": [1.0, 1.7, 0.9],
-                                     "long_factor": [1.0, 4.0, 19.0]})),
-    "phi4_mini_partial_longrope_long": (transformers.Phi3Config, "PHI4",
-               dict(tie_word_embeddings=True, partial_rotary_factor=0.75, original_max_position_embeddings=2,
-                    pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                    rope_parameters={"rope_type": "longrope", "rope_theta": 10_000.0, "partial_rotary_factor": 0.75,
-                                     "short_factor": [1.0, 1.7, 0.9],
-                                     "long_factor": [1.0, 4.0, 19.0]})),
+    **{f"phi4_mini_partial_longrope_{kind}": (transformers.Phi3Config, "PHI4", dict(
+        tie_word_embeddings=True, partial_rotary_factor=0.75, original_max_position_embeddings=original,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10_000.0, "partial_rotary_factor": 0.75,
+                         "short_factor": [1.0, 1.7, 0.9], "long_factor": [1.0, 4.0, 19.0]}))
+       for kind, original in (("short", 64), ("long", 2))},
     "gemma3_qk_norm_two_ropes": (transformers.Gemma3TextConfig, "GEMMA3",
                dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=4,
                     layer_types=["sliding_attention", "sliding_attention", "full_attention"],

@@ -30,6 +30,12 @@ def losses(log: Path) -> dict[int, float]:
     ("lora_dpo_single_device", "tiny/dpo", []),
     ("full_dpo_single_device", "tiny/full_dpo", []),
     ("knowledge_distillation_single_device", "tiny/kd", []),
+    ("qat_single_device", "tiny/qat", []),
+    # the optimizer stepped in backward (per-parameter states by name), and torchao's 8-bit AdamW (quantized states)
+    ("full_finetune_single_device", "tiny/full", ["optimizer_in_bwd=true", "clip_grad_norm=null"]),
+    ("full_finetune_single_device", "tiny/full", ["optimizer._component_=torchao.optim.AdamW8bit"]),
+    ("lora_finetune_single_device", "tiny/lora", ["optimizer._component_=torchao.optim.AdamW8bit", "optimizer_in_bwd=true",
+                                                  "clip_grad_norm=null"]),
 ])
 def test_killed_run_resumes_exactly(tmp_path, recipe, config, extra):
     reference, killed = tmp_path / "reference", tmp_path / "killed"

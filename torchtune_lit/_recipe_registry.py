@@ -201,6 +201,40 @@ def _rl_recipes() -> list[Recipe]:
         ),
     ]
 
+# %% ../nbs/02_recipe_registry.ipynb #acae54e37e7d407bbb7b55eff062a284
+def _qat_recipes() -> list[Recipe]:
+    """Quantization-aware training: full on one device or several, LoRA on several;
+    the quantize recipe converts what they save."""
+    return [
+        Recipe(
+            name="qat_single_device",
+            file_path="qat_single_device.py",
+            configs=[Config(name="tiny/qat", file_path="tiny/qat.yaml")],
+            supports_distributed=False,
+        ),
+        Recipe(
+            name="qat_distributed",
+            file_path="qat_distributed.py",
+            configs=[
+                Config(
+                    name="tiny/qat_distributed", file_path="tiny/qat_distributed.yaml"
+                )
+            ],
+            supports_distributed=True,
+        ),
+        Recipe(
+            name="qat_lora_finetune_distributed",
+            file_path="qat_lora_finetune_distributed.py",
+            configs=[
+                Config(
+                    name="tiny/qat_lora_distributed",
+                    file_path="tiny/qat_lora_distributed.yaml",
+                )
+            ],
+            supports_distributed=True,
+        ),
+    ]
+
 # %% ../nbs/02_recipe_registry.ipynb #0e8a664b
 def _more_recipes() -> list[Recipe]:
     "Distillation, evaluation, quantization and generation."
@@ -258,6 +292,7 @@ def get_all_recipes() -> list[Recipe]:
         + _lora_recipes()
         + _preference_recipes()
         + _rl_recipes()
+        + _qat_recipes()
         + _more_recipes()
     )
 
@@ -331,6 +366,7 @@ RECIPE_CONFIG_KEYS = {
     "dtype": "fp32 or bf16",
     "compile": "torch.compile each layer",
     "enable_activation_checkpointing": "recompute activations in backward",
+    "enable_activation_offloading": "keep saved activations in CPU memory (GPU only)",
     "progress_bar": "show a progress bar",
     "preflight": "check the setup before training (stops on an error)",
     "allowed_components": "packages of your own this config may build from",
@@ -354,8 +390,10 @@ RECIPE_CONFIG_KEYS |= {
     "max_steps_per_epoch": "cap on optimizer steps per epoch (null: no cap)",
     "gradient_accumulation_steps": "micro-batches per optimizer step",
     "clip_grad_norm": "clip the gradient norm to this value (null: no clipping)",
+    "optimizer_in_bwd": "step each parameter during backward (single-device full/LoRA)",
     "shuffle": "shuffle the training set each epoch",
     "reshard_after_forward": "FSDP2: free gathered weights after forward",
+    "tensor_parallel_dim": "processes that split each layer (full distributed recipes)",
     "sanity_check": "train on only the first N samples (tunelit run --sanity)",
     # saving, resuming, validating
     "overwrite": "replace another run's outputs in output_dir",
@@ -401,7 +439,7 @@ RECIPE_CONFIG_KEYS |= {
     "temperature": "sampling temperature (0: greedy)",
     "top_k": "sample among the k most likely tokens (null: all)",
     "top_p": "sample within this probability mass (null: all)",
-    "quantizer": "the torchao quantisation config component",
+    "quantizer": "the torchao quantisation config, or a QAT quantizer, component",
     "quantizer_name": "name written into the quantised checkpoint",
     "tasks": "lm-eval task names",
     "task_definitions": "lm-eval tasks defined in the config",

@@ -206,7 +206,7 @@ def ppo_step(run: PPORun, batch: dict, step: int) -> dict:
     batches = -(-size // mini)
     metrics = {"step": step, **{k: v / batches for k, v in sums.items()}}
     metrics |= _sample_metrics(run, sample)
-    metrics["lr"] = run.optimizer.param_groups[0]["lr"]
+    metrics["lr"] = float(run.optimizer.param_groups[0]["lr"])
     metrics["seconds"] = time.perf_counter() - started
     return metrics
 

@@ -35,9 +35,12 @@ def perplexity(
 
 
 def quantize_model(model: torch.nn.Module, quantizer: Any) -> torch.nn.Module:
-    "Apply a torchao post-training quantization config to `model` in place; returns it."
+    """Apply a torchao post-training quantization config, or a QAT quantizer's
+    `convert` (the same numbers its training saw), to `model` in place; returns it."""
     from torchao.quantization import quantize_
 
+    if hasattr(quantizer, "convert"):  # e.g. Int8DynActInt4WeightQATQuantizer
+        return quantizer.convert(model)
     quantize_(model, quantizer)
     return model
 

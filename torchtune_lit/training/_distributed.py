@@ -4,19 +4,19 @@
 
 # %% auto #0
 __all__ = ['init_distributed', 'all_reduce_sum', 'shard_model', 'gather_full_state_dict', 'load_from_full_state_dict',
-           'save_sharded_checkpoint', 'load_sharded_checkpoint']
+           'save_sharded_checkpoint', 'load_sharded_checkpoint', 'device_mesh', 'parallelize_decoder']
 
-# %% ../../nbs/73_distributed.ipynb #a73ce19d
+# %% ../../nbs/73_distributed.ipynb #a395ce6a
 import os
 import shutil
 from pathlib import Path
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-# %% ../../nbs/73_distributed.ipynb #56a985b8
+# %% ../../nbs/73_distributed.ipynb #0529f7fa
 def init_distributed() -> tuple[int, int, torch.device]:
     """Join the process group torchrun set up (NCCL on GPU, Gloo on CPU); returns (rank,
     world_size, device).
@@ -43,18 +43,20 @@ def all_reduce_sum(value: float, device: torch.device) -> float:
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t.item()
 
-# %% ../../nbs/73_distributed.ipynb #2bc6b1f6
+# %% ../../nbs/73_distributed.ipynb #2e46c136
 def shard_model(
     model: nn.Module,
     reshard_after_forward: bool = True,
     param_dtype: Optional[torch.dtype] = None,
+    mesh: Optional[Any] = None,
 ) -> nn.Module:
     """FSDP2: shard each transformer layer, then the root module; `param_dtype` sets a
-    mixed-precision compute dtype.
+    mixed-precision compute dtype; `mesh` (default: every process) the processes that
+    share the shards (the data-parallel dimension under tensor parallelism).
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    kwargs = {"reshard_after_forward": reshard_after_forward}
+    kwargs = {"reshard_after_forward": reshard_after_forward, "mesh": mesh}
     if param_dtype is not None:
         kwargs["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=param_dtype, reduce_dtype=torch.float32
@@ -78,7 +80,7 @@ def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
     )
 
-# %% ../../nbs/73_distributed.ipynb #37b626e2
+# %% ../../nbs/73_distributed.ipynb #ef0147fc
 def _check_fits(
     model: nn.Module, full_state_dict: dict[str, torch.Tensor]
 ) -> Optional[str]:
@@ -126,7 +128,7 @@ def load_from_full_state_dict(
             if hasattr(module, "rope_init"):
                 module.rope_init()
 
-# %% ../../nbs/73_distributed.ipynb #fc9a5d72
+# %% ../../nbs/73_distributed.ipynb #effd3713
 def save_sharded_checkpoint(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -166,7 +168,7 @@ def save_sharded_checkpoint(
     dist.barrier()
     return folder
 
-# %% ../../nbs/73_distributed.ipynb #090dcfc0
+# %% ../../nbs/73_distributed.ipynb #56f190ab
 def load_sharded_checkpoint(
     model: nn.Module, optimizer: torch.optim.Optimizer, folder: Union[str, Path]
 ) -> dict:
@@ -197,3 +199,47 @@ def load_sharded_checkpoint(
         )
     recipe_state["rng"] = torch.load(rng_file, map_location="cpu", weights_only=True)
     return recipe_state
+
+# %% ../../nbs/73_distributed.ipynb #7decd8ed
+def device_mesh(device: torch.device, world_size: int, tensor_parallel_dim: int = 1):
+    """The 2-D (dp, tp) device mesh for `tensor_parallel_dim` > 1, else None (FSDP2
+    over every process)."""
+    if tensor_parallel_dim == 1:
+        return None
+    if tensor_parallel_dim < 1 or world_size % tensor_parallel_dim:
+        raise ValueError(
+            f"tensor_parallel_dim={tensor_parallel_dim} must divide the number of "
+            f"processes ({world_size}); e.g. --nproc_per_node 4 with "
+            "tensor_parallel_dim=2 is 2 data-parallel groups of 2."
+        )
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = (world_size // tensor_parallel_dim, tensor_parallel_dim)
+    return init_device_mesh(device.type, shape, mesh_dim_names=("dp", "tp"))
+
+
+def parallelize_decoder(model: nn.Module, tp_mesh: Any) -> nn.Module:
+    """Megatron-style tensor parallelism over `tp_mesh` for every layer: q, k, v, w1
+    and w3 column-wise, the attention output and w2 row-wise; the attention modules
+    keep their local share of the heads. In place; returns `model`."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    size = tp_mesh.size()
+    columns = ("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.w1", "mlp.w3")
+    plan = {name: ColwiseParallel() for name in columns}
+    plan |= {name: RowwiseParallel() for name in ("attn.output_proj", "mlp.w2")}
+    for layer in model.layers:
+        attn = layer.attn
+        if attn.num_heads % size or attn.num_kv_heads % size:
+            raise ValueError(
+                f"tensor_parallel_dim={size} must divide the query heads "
+                f"({attn.num_heads}) and key/value heads ({attn.num_kv_heads})."
+            )
+        parallelize_module(layer, tp_mesh, plan)
+        attn.num_heads //= size
+        attn.num_kv_heads //= size
+    return model

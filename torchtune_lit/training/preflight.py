@@ -398,12 +398,18 @@ def _planned_memory(
     ):
         seq_len = cfg.tokenizer.max_seq_len
     checkpointing = bool(cfg.get("enable_activation_checkpointing", False))
+    optimizer = cfg.get("optimizer") or {}
     estimate = estimate_training_memory(
         model,
         cfg.batch_size * sequences_per_sample,
         seq_len,
         DTYPES.get(cfg.get("dtype", "fp32"), torch.float32),
         activation_checkpointing=checkpointing,
+        optimizer=optimizer.get("_component_", "torch.optim.AdamW"),
+        optimizer_in_backward=bool(cfg.get("optimizer_in_bwd", False)),
+        # offloading moves activations off a GPU only
+        activation_offloading=bool(cfg.get("enable_activation_offloading", False))
+        and torch.device(cfg.get("device", "cpu")).type == "cuda",
     )
     # FSDP2: each process holds 1/world_size of these three
     if world_size > 1:
