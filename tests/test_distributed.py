@@ -212,7 +212,8 @@ def test_tensor_parallel_matches_one_process(tmp_path, processes, batch, port):
 
 
 def test_tensor_parallel_refuses_what_it_cannot_split(tmp_path):
-    "A LoRA model, or a head count that tensor_parallel_dim does not divide, stops with the reason."
+    """A LoRA model, a process count that tensor_parallel_dim does not divide, or QAT (torchao's fake-quantized layers
+    take no DTensor plan) stops with the reason."""
     lora = subprocess.run([TUNELIT, "run", "--nproc_per_node", "2", "--master_port", "29575",
                            "lora_finetune_distributed", "--config", "tiny/lora_distributed", "tensor_parallel_dim=2",
                            f"output_dir={tmp_path / 'lora'}", "max_steps_per_epoch=1"],
@@ -223,3 +224,7 @@ def test_tensor_parallel_refuses_what_it_cannot_split(tmp_path):
                           f"output_dir={tmp_path / 'odd'}", "max_steps_per_epoch=1"],
                          capture_output=True, text=True, timeout=600)
     assert odd.returncode != 0 and "tensor_parallel_dim=3 must divide the number of processes (2)" in odd.stderr
+    qat = subprocess.run([TUNELIT, "run", "--nproc_per_node", "2", "--master_port", "29579", "qat_distributed",
+                          "--config", "tiny/qat_distributed", "tensor_parallel_dim=2", f"output_dir={tmp_path / 'qat'}",
+                          "max_steps_per_epoch=1"], capture_output=True, text=True, timeout=600)
+    assert qat.returncode != 0 and "does not combine fake quantization with tensor parallelism" in qat.stderr

@@ -194,8 +194,8 @@ def hf_to_tune(
     `model_type` is the checkpoint's `config.json` model_type (llama, mistral, qwen2,
     gemma2, ...); `rotary_dim` how many channels of each head RoPE rotates (default
     all). With tied embeddings an `lm_head.weight` in the checkpoint is dropped (it is
-    the embedding matrix). `hf_conversion_dims(config)` gives every argument but the
-    state dict.
+    the embedding matrix). `hf_conversion_dims(config)` gives the dimensions and
+    model_type; `tie_word_embeddings` comes from config.json (or the family default).
     """
     table, head_dim = _key_map(model_type), head_dim or dim // num_heads
     state_dict = split_fused(state_dict, model_type, num_heads, num_kv_heads, head_dim)

@@ -28,6 +28,12 @@ def _quantizer(cfg: DictConfig, recipe: str):
 def train(cfg: DictConfig) -> list[dict]:
     """Run the sharded full fine-tune with the model prepared for QAT, on every rank;
     rank 0 logs and saves. Returns rank 0's metrics."""
+    if cfg.get("tensor_parallel_dim", 1) > 1:
+        raise ValueError(
+            "qat_distributed does not combine fake quantization with tensor "
+            "parallelism (torchao's FakeQuantizedLinear takes no DTensor plan); drop "
+            "tensor_parallel_dim, or train without QAT in full_finetune_distributed."
+        )
     prepare = _quantizer(cfg, "qat_distributed").prepare
     load = functools.partial(training.load_sharded_model, prepare=prepare)
     run = training.setup_sharded(cfg, load)

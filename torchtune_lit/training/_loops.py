@@ -586,9 +586,8 @@ def load_sharded_lora_model(
     """
     if mesh is not None:
         raise ValueError(
-            "tensor_parallel_dim > 1 is supported by the full-weight distributed "
-            "recipes (full_finetune_distributed, qat_distributed); LoRA layers are "
-            "not split. Drop tensor_parallel_dim."
+            "tensor_parallel_dim > 1 is supported by full_finetune_distributed; "
+            "LoRA layers are not split. Drop tensor_parallel_dim."
         )
     from torchtune_lit.training.checkpointing import load_lora_model
 
@@ -678,8 +677,8 @@ def setup_sharded(
     )
     if mesh is not None and preference:
         raise ValueError(
-            "tensor_parallel_dim > 1 is supported by full_finetune_distributed and "
-            "qat_distributed; drop it for the preference recipes."
+            "tensor_parallel_dim > 1 is supported by full_finetune_distributed; "
+            "drop it for the preference recipes."
         )
     # the processes of one tensor-parallel group read the same rows
     data_rank, data_world = rank, world_size
