@@ -135,12 +135,15 @@ def test_download_without_hub_is_one_line(tmp_path):
     assert "hf_secret_never_printed" not in result.stderr + result.stdout
 
 
-def test_sanity_flag_reports_whether_the_pipeline_can_learn():
-    result = tunelit("run", "lora_finetune_single_device", "--config", "tiny/lora", "--sanity")
+def test_sanity_flag_reports_whether_the_pipeline_can_learn(tmp_path):
+    temp = {"TMPDIR": str(tmp_path)}  # the throwaway run's folder must be gone afterwards
+    result = tunelit("run", "lora_finetune_single_device", "--config", "tiny/lora", "--sanity", env=temp)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "the pipeline can learn" in result.stdout
-    frozen = tunelit("run", "lora_finetune_single_device", "--config", "tiny/lora", "--sanity", "optimizer.lr=0.0")
+    frozen = tunelit("run", "lora_finetune_single_device", "--config", "tiny/lora", "--sanity", "optimizer.lr=0.0",
+                     env=temp)
     assert frozen.returncode == 1 and "did NOT go near zero" in frozen.stdout
+    assert not list(tmp_path.glob("tunelit_sanity_*")), list(tmp_path.iterdir())
 
 
 def test_torchtune_forms_of_the_commands():

@@ -32,7 +32,7 @@ from torchtune_lit._recipe_registry import (
 # %% auto #0
 __all__ = ['TORCHRUN_FLAGS', 'SANITY_OVERRIDES', 'EXPECTED_ERRORS', 'cmd_ls', 'cmd_cp', 'load_cli_config', 'cmd_validate',
            'cmd_cat', 'cmd_preflight', 'split_run_args', 'sanity_verdict', 'recipe_help', 'interrupted_message',
-           'cmd_run', 'cmd_download', 'cmd_plot', 'cmd_runs', 'build_parser', 'error_line', 'main']
+           'cmd_run', 'run_recipe', 'cmd_download', 'cmd_plot', 'cmd_runs', 'build_parser', 'error_line', 'main']
 
 # %% ../../nbs/03_cli.ipynb #1153fed6
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -172,6 +172,7 @@ SANITY_OVERRIDES = [
     "gradient_accumulation_steps=1",
     "lr_scheduler=null",
     "save_every_n_steps=null",
+    "keep_last_n_epochs=1",
     "resume_from_checkpoint=false",
     "preflight=false",
 ]
@@ -254,11 +255,24 @@ def interrupted_message(recipe_args: list[str]) -> str:
 def cmd_run(args: argparse.Namespace) -> int:
     "Run a recipe in this process, or under torchrun when launcher options are given."
     run_args = list(args.run_args)
-    sanity = "--sanity" in run_args
-    if sanity:  # overfit a handful of examples first: the seeds' advice as one flag
-        run_args.remove("--sanity")
-        sanity_dir = Path(tempfile.mkdtemp(prefix="tunelit_sanity_"))
-        run_args += [*SANITY_OVERRIDES, f"output_dir={sanity_dir}"]
+    if "--sanity" not in run_args:
+        return run_recipe(run_args)
+    # overfit a handful of examples first: the seeds' advice as one flag
+    run_args.remove("--sanity")
+    sanity_dir = Path(tempfile.mkdtemp(prefix="tunelit_sanity_"))
+    try:
+        code = run_recipe([*run_args, *SANITY_OVERRIDES, f"output_dir={sanity_dir}"])
+        if code != 0:
+            return code
+        ok, verdict = sanity_verdict(sanity_dir / "log.jsonl")
+        print(verdict)
+        return 0 if ok else 1
+    finally:  # a throwaway run: leave no disk behind, whatever happened
+        shutil.rmtree(sanity_dir, ignore_errors=True)
+
+
+def run_recipe(run_args: list[str]) -> int:
+    "Run `[launcher options] RECIPE [recipe options]` and return its exit code."
     launcher, recipe_name, recipe_args = split_run_args(run_args)
     if {"-h", "--help"} & set(recipe_args):
         print(recipe_help(recipe_name))
@@ -300,10 +314,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         code = 130
     finally:
         sys.argv = saved_argv
-    if sanity and code == 0:
-        ok, verdict = sanity_verdict(sanity_dir / "log.jsonl")
-        print(verdict)
-        code = 0 if ok else 1
     return code
 
 # %% ../../nbs/03_cli.ipynb #1e1a3ea2
