@@ -1,6 +1,7 @@
 """The other measurements of the benchmarks issue, each in a fresh process, printed as JSON lines:
 
-    python benchmarks/extras.py generation   # greedy tokens/s with the KV cache: ours vs transformers' generate
+    python benchmarks/extras.py generation   # greedy tokens/s with the KV cache at batch 1: ours vs transformers' generate
+    python benchmarks/extras.py generation_batch8   # the same at batch 8
     python benchmarks/extras.py ce_memory    # peak RSS of chunked vs naive cross-entropy at vocabulary 128,256
     python benchmarks/extras.py nf4_time     # NF4 quantization of a 4096 x 4096 weight: ours vs torchao's to_nf4
     python benchmarks/extras.py attention    # causal SDPA forward + backward on CPU: bf16 vs fp32, over sequence lengths
@@ -42,7 +43,13 @@ def generation(impl: str, new_tokens: int = 128, batch: int = 1, repeats: int = 
             start = time.perf_counter()
             out = run()
             times.append(time.perf_counter() - start)
-    return {"measure": "generation", "impl": impl, "tokens_per_second": batch * new_tokens / statistics.median(times)}
+    return {"measure": "generation", "impl": impl, "batch": batch,
+            "tokens_per_second": batch * new_tokens / statistics.median(times)}
+
+
+def generation_batch8(impl: str) -> dict:
+    "Greedy decoding as `generation`, eight prompts at once."
+    return generation(impl, batch=8)
 
 
 def ce_memory(impl: str, vocab: int = 128_256, tokens: int = 1024, chunks: int = 8) -> dict:
@@ -108,7 +115,8 @@ def attention(impl: str, repeats: int = 6) -> dict:
     return {"measure": "attention", "impl": impl, "ms": timings}
 
 
-MEASURES = {"attention": (attention, ["bf16", "fp32"]), "generation": (generation, ["ours", "transformers"]), "ce_memory": (ce_memory, ["chunked", "naive"]),
+MEASURES = {"attention": (attention, ["bf16", "fp32"]), "generation": (generation, ["ours", "transformers"]),
+            "generation_batch8": (generation_batch8, ["ours", "transformers"]), "ce_memory": (ce_memory, ["chunked", "naive"]),
             "nf4_time": (nf4_time, ["ours", "torchao"])}
 
 

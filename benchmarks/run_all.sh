@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every row of benchmarks/README.md in one go (needs benchmarks/.venv-torchtune: bash benchmarks/make_peer_env.sh).
+# Every table of benchmarks/README.md in one go (~40 min on 2 cores) (needs benchmarks/.venv-torchtune: bash benchmarks/make_peer_env.sh).
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=../.venv/bin/python
@@ -16,3 +16,4 @@ run --peer hf --mode full --dtype fp32 --pairs 3
 run --peer torchtune --mode lora --dtype bf16 --compile --pairs 3
 run --peer hf --mode lora --dtype bf16 --compile --pairs 3
 echo "=== extras"; $PY extras.py all
+echo "=== scaling"; $PY scaling.py | tail -13
