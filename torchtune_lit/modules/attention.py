@@ -268,6 +268,8 @@ def _packed_spans(
         return None
     if q.device.type != "cpu" or q.shape[2] < PACKED_MIN_SEQ:
         return None
+    if torch.compiler.is_compiling():  # data-dependent spans would recompile per batch
+        return None
     return packed_document_spans(mask, positions)
 
 
