@@ -60,17 +60,15 @@ def main() -> None:
     if "torchtune" in args.impls and not Path(PYTHON["torchtune"]).exists():
         raise SystemExit("the torchtune peer environment is missing: bash benchmarks/make_peer_env.sh")
     names = {"ours": "ours", "torchtune": "torchtune", "hf": "transformers+peft"}
-    header = " | ".join(f"{names[i]} tok/s (MiB)" for i in args.impls)
-    ratios = " | ".join(f"ours/{names[i]}" for i in args.impls if i != "ours")
-    table = [f"| shape | seq x batch | packing | {header} | {ratios} |",
-             "|---" * (3 + len(args.impls) + len(args.impls) - 1) + "|"]
+    peers = [i for i in args.impls if i != "ours"] if "ours" in args.impls else []
+    columns = [f"{names[i]} tok/s (MiB)" for i in args.impls] + [f"ours/{names[i]}" for i in peers]
+    table = ["| shape | seq x batch | packing | " + " | ".join(columns) + " |", "|---" * (3 + len(columns)) + "|"]
     for shape, seq, docs in rows(args):
         results = {impl: measure(impl, shape, seq, docs, args) for impl in args.impls}
         with open(HERE / "scaling.jsonl", "a") as log:
             log.write(json.dumps({"mode": args.mode, "dtype": args.dtype, "results": results}) + "\n")
         cells = [f"{r['tokens_per_second']:,.0f} ({r['peak_rss_mib']:,.0f})" for r in results.values()]
-        ours = results["ours"]["tokens_per_second"] if "ours" in results else None
-        ratio_cells = [f"{ours / results[i]['tokens_per_second']:.2f}" for i in args.impls if i != "ours" and ours]
+        ratio_cells = [f"{results['ours']['tokens_per_second'] / results[i]['tokens_per_second']:.2f}" for i in peers]
         packing = f"{docs} docs" if docs > 1 else "off"
         table.append(f"| {shape} | {seq} x {TOKENS_PER_STEP // seq} | {packing} | " + " | ".join(cells + ratio_cells) + " |")
         print(table[-1], flush=True)

@@ -30,9 +30,10 @@ from torchtune_lit._recipe_registry import (
 )
 
 # %% auto #0
-__all__ = ['TORCHRUN_FLAGS', 'SANITY_OVERRIDES', 'EXPECTED_ERRORS', 'cmd_ls', 'cmd_cp', 'load_cli_config', 'cmd_validate',
-           'cmd_cat', 'cmd_preflight', 'split_run_args', 'sanity_verdict', 'recipe_help', 'interrupted_message',
-           'cmd_run', 'run_recipe', 'cmd_download', 'cmd_plot', 'cmd_runs', 'build_parser', 'error_line', 'main']
+__all__ = ['TORCHRUN_FLAGS', 'SANITY_OVERRIDES', 'SANITY_INTERRUPTED', 'EXPECTED_ERRORS', 'cmd_ls', 'cmd_cp', 'load_cli_config',
+           'cmd_validate', 'cmd_cat', 'cmd_preflight', 'split_run_args', 'sanity_verdict', 'recipe_help',
+           'interrupted_message', 'cmd_run', 'cmd_download', 'cmd_plot', 'cmd_runs', 'build_parser', 'error_line',
+           'main']
 
 # %% ../../nbs/03_cli.ipynb #1153fed6
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -252,16 +253,22 @@ def interrupted_message(recipe_args: list[str]) -> str:
     )
 
 # %% ../../nbs/03_cli.ipynb #13f746ab
+SANITY_INTERRUPTED = (
+    "tunelit run --sanity: interrupted (Ctrl-C); its temporary run folder is deleted."
+)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     "Run a recipe in this process, or under torchrun when launcher options are given."
     run_args = list(args.run_args)
     if "--sanity" not in run_args:
-        return run_recipe(run_args)
+        return _run_recipe(run_args)
     # overfit a handful of examples first: the seeds' advice as one flag
     run_args.remove("--sanity")
     sanity_dir = Path(tempfile.mkdtemp(prefix="tunelit_sanity_"))
     try:
-        code = run_recipe([*run_args, *SANITY_OVERRIDES, f"output_dir={sanity_dir}"])
+        overrides = [*SANITY_OVERRIDES, f"output_dir={sanity_dir}"]
+        code = _run_recipe([*run_args, *overrides], SANITY_INTERRUPTED)
         if code != 0:
             return code
         ok, verdict = sanity_verdict(sanity_dir / "log.jsonl")
@@ -271,8 +278,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         shutil.rmtree(sanity_dir, ignore_errors=True)
 
 
-def run_recipe(run_args: list[str]) -> int:
-    "Run `[launcher options] RECIPE [recipe options]` and return its exit code."
+def _run_recipe(run_args: list[str], interrupted: Optional[str] = None) -> int:
+    """Run `[launcher options] RECIPE [recipe options]` and return its exit code;
+    `interrupted` replaces the Ctrl-C message."""
     launcher, recipe_name, recipe_args = split_run_args(run_args)
     if {"-h", "--help"} & set(recipe_args):
         print(recipe_help(recipe_name))
@@ -300,7 +308,7 @@ def run_recipe(run_args: list[str]) -> int:
         try:
             return subprocess.run(command).returncode
         except KeyboardInterrupt:
-            print(interrupted_message(recipe_args), file=sys.stderr)
+            print(interrupted or interrupted_message(recipe_args), file=sys.stderr)
             return 130
     saved_argv = sys.argv
     sys.argv = [str(recipe_path), *recipe_args]
@@ -310,7 +318,7 @@ def run_recipe(run_args: list[str]) -> int:
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except KeyboardInterrupt:
-        print(interrupted_message(recipe_args), file=sys.stderr)
+        print(interrupted or interrupted_message(recipe_args), file=sys.stderr)
         code = 130
     finally:
         sys.argv = saved_argv
