@@ -284,6 +284,29 @@ def _more_recipes() -> list[Recipe]:
         ),
     ]
 
+# %% ../nbs/02_recipe_registry.ipynb #cfeae06f
+def _tabular_recipes() -> list[Recipe]:
+    "Part X's worked example: pre-training a table model, on one device or several."
+    return [
+        Recipe(
+            name="tabular_pretrain_single_device",
+            file_path="tabular_pretrain_single_device.py",
+            configs=[Config(name="tiny/tabular", file_path="tiny/tabular.yaml")],
+            supports_distributed=False,
+        ),
+        Recipe(
+            name="tabular_pretrain_distributed",
+            file_path="tabular_pretrain_distributed.py",
+            configs=[
+                Config(
+                    name="tiny/tabular_distributed",
+                    file_path="tiny/tabular_distributed.yaml",
+                )
+            ],
+            supports_distributed=True,
+        ),
+    ]
+
 # %% ../nbs/02_recipe_registry.ipynb #b08c3eb0
 def get_all_recipes() -> list[Recipe]:
     "Every built-in recipe with its configs, in the order `tunelit ls` prints them."
@@ -294,6 +317,7 @@ def get_all_recipes() -> list[Recipe]:
         + _rl_recipes()
         + _qat_recipes()
         + _more_recipes()
+        + _tabular_recipes()
     )
 
 # %% ../nbs/02_recipe_registry.ipynb #ec57001e
@@ -448,4 +472,8 @@ RECIPE_CONFIG_KEYS |= {
     "num_fewshot": "lm-eval: few-shot examples",
     "max_seq_len": "lm-eval: longest sequence",
     "max_gen_toks": "lm-eval: tokens to generate at most",
+    # tabular pre-training
+    "eval_tables": "tabular: scikit-learn tables to classify in context",
+    "eval_splits": "tabular: random 70/30 splits per table",
+    "eval_ensemble": "tabular: forward passes per split (column tags)",
 }
