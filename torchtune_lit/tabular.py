@@ -10,7 +10,7 @@ __all__ = ['ACTIVATIONS', 'REAL_TABLES', 'cluster_table', 'mlp_columns', 'linear
            'predict_in_context', 'load_real_table', 'evaluate_real_tables', 'check_table_setup', 'save_table_model',
            'load_table_model']
 
-# %% ../nbs/97_tabular.ipynb #b965e006
+# %% ../nbs/97_tabular.ipynb #acfa83af
 import math
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -21,7 +21,7 @@ from torch import nn
 
 from .modules import FeedForward, MultiHeadAttention, RMSNorm
 
-# %% ../nbs/97_tabular.ipynb #85ad61f3
+# %% ../nbs/97_tabular.ipynb #66266dc2
 def _int(g: torch.Generator, low: int, high: int) -> int:
     "A whole number drawn uniformly from [low, high]."
     return int(torch.randint(low, high + 1, (1,), generator=g))
@@ -44,7 +44,7 @@ def cluster_table(
     noise = _real(g, 0.1, 1.0) * torch.randn(n_rows, n_features, generator=g)
     return z @ mix + noise, y
 
-# %% ../nbs/97_tabular.ipynb #bf4c3622
+# %% ../nbs/97_tabular.ipynb #849d8c8a
 ACTIVATIONS = (
     torch.tanh,
     torch.relu,
@@ -82,7 +82,7 @@ def linear_table(
     noise = _real(g, 0.0, 1.0) ** 2 * (w.norm() + 1e-3)  # mostly small
     return x, x @ w + noise * torch.randn(n_rows, generator=g)
 
-# %% ../nbs/97_tabular.ipynb #72dc45a8
+# %% ../nbs/97_tabular.ipynb #de05e3e8
 def tree_labels(
     g: torch.Generator, x: torch.Tensor, n_classes: int, depth: int
 ) -> torch.Tensor:
@@ -113,7 +113,7 @@ def quantile_labels(
     target = target.contiguous()
     return torch.bucketize(target, torch.quantile(target, edges))
 
-# %% ../nbs/97_tabular.ipynb #93875a1e
+# %% ../nbs/97_tabular.ipynb #ac3079c5
 def _columns_like_real_ones(g: torch.Generator, x: torch.Tensor) -> torch.Tensor:
     "Skew some columns, then put every column on a random scale and offset."
     for c in range(x.shape[1]):
@@ -124,7 +124,7 @@ def _columns_like_real_ones(g: torch.Generator, x: torch.Tensor) -> torch.Tensor
 
 
 def _make_categorical(g: torch.Generator, x: torch.Tensor) -> torch.Tensor:
-    "In a third of the tables, some columns become shuffled category codes 0..k-1."
+    "In three tables in ten, some columns become shuffled category codes 0..k-1."
     categorical = torch.zeros(x.shape[1], dtype=torch.bool)
     if _real(g, 0, 1) < 0.3:
         categorical = torch.rand(x.shape[1], generator=g) < 0.4
@@ -163,7 +163,7 @@ def sample_table(
         x[torch.rand(x.shape, generator=g) < _real(g, 0.0, 0.2)] = float("nan")
     return x, categorical, y
 
-# %% ../nbs/97_tabular.ipynb #26b1985e
+# %% ../nbs/97_tabular.ipynb #e13f4b91
 class SyntheticTablePrior(torch.utils.data.Dataset):
     """`num_tasks` synthetic classification tasks (see `sample_table`): each a dict of
     features `x`, `categorical` columns, labels `y`, random distinct `column_ids`,
@@ -184,11 +184,12 @@ class SyntheticTablePrior(torch.utils.data.Dataset):
                 "SyntheticTablePrior needs max_classes >= 2, max_features >= 1 and "
                 f"min_rows >= 8; got {max_classes}, {max_features} and {min_rows}."
             )
-        if max_rows < min_rows or num_column_tags < max_features:
+        if max_rows < min_rows:
+            raise ValueError(f"max_rows ({max_rows}) < min_rows ({min_rows}).")
+        if num_column_tags < max_features:
             raise ValueError(
-                "SyntheticTablePrior needs max_rows >= min_rows and num_column_tags "
-                f">= max_features; got {max_rows} < {min_rows} or {num_column_tags} < "
-                f"{max_features}."
+                f"num_column_tags ({num_column_tags}) < max_features ({max_features}): "
+                "each column of a table needs its own tag."
             )
         self.num_tasks, self.min_rows, self.max_rows = num_tasks, min_rows, max_rows
         self.max_features, self.max_classes, self.seed = max_features, max_classes, seed
@@ -212,7 +213,7 @@ class SyntheticTablePrior(torch.utils.data.Dataset):
             "n_context": n_context, "n_classes": n_classes,
         }  # fmt: skip
 
-# %% ../nbs/97_tabular.ipynb #374c6dd8
+# %% ../nbs/97_tabular.ipynb #25417154
 def collate_tables(batch: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     """Pad a list of tasks to one batch: x [b, rows, features] (0 in padding, NaN where
     missing), categorical, feature_mask and column_ids (default 1..f) [b, features],
@@ -238,23 +239,25 @@ def collate_tables(batch: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         out["y"][i, :r] = task["y"]
     return out
 
-# %% ../nbs/97_tabular.ipynb #1abe26a7
+# %% ../nbs/97_tabular.ipynb #a3956a5c
 def context_standardize(
     x: torch.Tensor, n_context: torch.Tensor, clip: float = 8.0
 ) -> torch.Tensor:
     """Standardise each column of x [b, rows, features] with the mean and standard
-    deviation of its present context cells; missing cells become 0."""
+    deviation of its present context cells; missing cells, and every cell of a column
+    with no present context cell, become 0."""
     rows = torch.arange(x.shape[1], device=x.device)
     context = (rows[None, :] < n_context[:, None])[..., None]  # [b, rows, 1]
     present = ~torch.isnan(x) & context
-    count = present.sum(1).clamp(min=1)
-    mean = torch.where(present, x, 0.0).sum(1) / count
+    count = present.sum(1)  # [b, features]
+    mean = torch.where(present, x, 0.0).sum(1) / count.clamp(min=1)
     centred = torch.where(present, x - mean[:, None], 0.0)
-    std = (centred.square().sum(1) / count).sqrt()
+    std = (centred.square().sum(1) / count.clamp(min=1)).sqrt()
     z = ((x - mean[:, None]) / (std[:, None] + 1e-6)).clamp(-clip, clip)
-    return torch.where(torch.isnan(x), 0.0, z)
+    # missing cells, and columns with no present context cell to compare with, are 0
+    return torch.where(torch.isnan(x) | (count == 0)[:, None], 0.0, z)
 
-# %% ../nbs/97_tabular.ipynb #f187a06e
+# %% ../nbs/97_tabular.ipynb #be4a3318
 class TableCellEncoder(nn.Module):
     """Cells to vectors: standardised numbers through a linear map plus a per-column
     scaled vector, categories through an embedding table, missing cells to one learned
@@ -278,16 +281,22 @@ class TableCellEncoder(nn.Module):
     ) -> torch.Tensor:
         "Cells [b, rows, features, dim] of x [b, rows, features]."
         missing = torch.isnan(x)
-        z = context_standardize(x, n_context)[..., None]
+        z = context_standardize(x, n_context)[..., None].to(self.numeric.weight.dtype)
         cells = self.numeric(z) + z * self.column_scales(column_ids)[:, None]
-        codes = torch.where(missing, 0.0, x).long().clamp(0, self.max_categories - 1)
+        codes = torch.where(missing | ~categorical[:, None, :], 0.0, x).long()
+        if (codes < 0).any() or (codes >= self.max_categories).any():
+            raise ValueError(
+                f"a categorical cell holds code {int(codes.max())} (or a negative "
+                f"one); codes must be 0..{self.max_categories - 1}: re-code the column "
+                "or raise model.max_categories."
+            )
         cells = torch.where(
             categorical[:, None, :, None], self.categories(codes), cells
         )
         cells = torch.where(missing[..., None], self.missing, cells)
         return cells + self.column_tags(column_ids)[:, None]
 
-# %% ../nbs/97_tabular.ipynb #393c4ea2
+# %% ../nbs/97_tabular.ipynb #09a7a891
 def table_attention(dim: int, num_heads: int) -> MultiHeadAttention:
     "Bidirectional multi-head attention of width `dim` (no positions: a set of cells)."
     head_dim = dim // num_heads
@@ -328,7 +337,7 @@ class TableBlock(nn.Module):
         h = h + self.attn(x, keys, mask=mask)
         return h + self.mlp(self.mlp_norm(h))
 
-# %% ../nbs/97_tabular.ipynb #b3d1daa4
+# %% ../nbs/97_tabular.ipynb #6047af11
 class LabelAttention(nn.Module):
     """Attention from every row to the context rows whose values are the context
     labels' embeddings (queries and keys: the rows' feature summaries)."""
@@ -370,7 +379,7 @@ class LabelAttention(nn.Module):
         )
         return self.output_proj(out.transpose(1, 2).flatten(2))
 
-# %% ../nbs/97_tabular.ipynb #b82996f1
+# %% ../nbs/97_tabular.ipynb #bf4e5a09
 class TableTransformer(nn.Module):
     """In-context classifier of table rows: logits [b, rows, max_classes] for every
     row from the features of all rows and the labels of the first `n_context`."""
@@ -400,7 +409,7 @@ class TableTransformer(nn.Module):
         self.norm = RMSNorm(dim)
         self.output = nn.Linear(dim, max_classes)
 
-# %% ../nbs/97_tabular.ipynb #d8ec76f9
+# %% ../nbs/97_tabular.ipynb #46ac48ba
 def _row_summaries(
     model: TableTransformer, batch: dict[str, torch.Tensor]
 ) -> torch.Tensor:
@@ -443,7 +452,7 @@ def _forward(self: TableTransformer, batch: dict[str, torch.Tensor]) -> torch.Te
 
 TableTransformer.forward = _forward
 
-# %% ../nbs/97_tabular.ipynb #84d0d87e
+# %% ../nbs/97_tabular.ipynb #65fbfcbf
 def table_transformer(
     dim: int = 64,
     num_feature_layers: int = 2,
@@ -467,7 +476,7 @@ def tiny_table_transformer() -> TableTransformer:
     "The shape `tiny/tabular` pre-trains: width 64, 2 feature and 3 row layers."
     return table_transformer()
 
-# %% ../nbs/97_tabular.ipynb #fe0e8e79
+# %% ../nbs/97_tabular.ipynb #cafc18a5
 def table_loss(
     logits: torch.Tensor, batch: dict[str, torch.Tensor]
 ) -> tuple[torch.Tensor, int]:
@@ -498,7 +507,7 @@ def table_accuracy(
     guess = logits.masked_fill(~has_class[:, None, :], float("-inf")).argmax(-1)
     return int((guess == batch["y"])[is_query].sum()), int(is_query.sum())
 
-# %% ../nbs/97_tabular.ipynb #83c47e19
+# %% ../nbs/97_tabular.ipynb #8280e73c
 def table_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -536,7 +545,9 @@ def table_step(
 
 
 @torch.no_grad()
-def table_validation(model: nn.Module, loader: Any, world_size: int = 1) -> dict:
+def table_validation(
+    model: nn.Module, loader: Any, world_size: int = 1
+) -> dict[str, float]:
     "Mean loss and accuracy over the query rows of held-out tasks, in eval mode."
     was_training, totals = model.training, [0.0, 0.0, 0.0]
     model.eval()
@@ -554,7 +565,7 @@ def table_validation(model: nn.Module, loader: Any, world_size: int = 1) -> dict
         totals = [all_reduce_sum(t, device) for t in totals]
     return {"val_loss": totals[0] / totals[2], "val_accuracy": totals[1] / totals[2]}
 
-# %% ../nbs/97_tabular.ipynb #b3414f1f
+# %% ../nbs/97_tabular.ipynb #410cd3f8
 @torch.no_grad()
 def predict_in_context(
     model: TableTransformer,
@@ -573,6 +584,11 @@ def predict_in_context(
         raise ValueError(
             f"a table of {f} features and {n_classes} classes does not fit a model "
             f"of max_features={model.max_features}, max_classes={model.max_classes}."
+        )
+    if y_context.min() < 0 or y_context.max() >= n_classes:
+        raise ValueError(
+            f"y_context holds labels {int(y_context.min())}..{int(y_context.max())}; "
+            f"they must be class ids 0..{n_classes - 1} (n_classes={n_classes})."
         )
     device = next(model.parameters()).device
     x = torch.cat([x_context, x_query]).float()[None].to(device)
@@ -598,49 +614,51 @@ def predict_in_context(
     model.train(was_training)
     return probs.cpu()
 
-# %% ../nbs/97_tabular.ipynb #c1d05f8b
+# %% ../nbs/97_tabular.ipynb #5b66dda4
 REAL_TABLES = ("iris", "wine", "breast_cancer")
 
 
 def _sklearn() -> Any:
+    "The scikit-learn modules the evaluation uses, or an error saying how to get them."
     try:
-        import sklearn  # noqa: F401
+        from sklearn import datasets, linear_model, model_selection, neighbors, pipeline
+        from sklearn.preprocessing import StandardScaler
     except ImportError as error:
         raise ImportError(
             "the tabular evaluation needs scikit-learn (its tables and baselines): "
             "pip install scikit-learn, or pip install 'torchtune_lit[dev]'."
         ) from error
-    from sklearn import datasets, linear_model, model_selection, neighbors, pipeline
-    from sklearn.preprocessing import StandardScaler
+    from types import SimpleNamespace
 
-    return datasets, linear_model, model_selection, neighbors, pipeline, StandardScaler
+    return SimpleNamespace(
+        datasets=datasets, linear_model=linear_model, model_selection=model_selection,
+        neighbors=neighbors, pipeline=pipeline, StandardScaler=StandardScaler,
+    )  # fmt: skip
 
 
 def load_real_table(name: str) -> tuple[torch.Tensor, torch.Tensor]:
     "(features, labels) of one of scikit-learn's shipped tables named in REAL_TABLES."
-    datasets = _sklearn()[0]
     if name not in REAL_TABLES:
         raise ValueError(
             f"unknown table {name!r}: choose from {', '.join(REAL_TABLES)}."
         )
-    x, y = getattr(datasets, f"load_{name}")(return_X_y=True)
+    x, y = getattr(_sklearn().datasets, f"load_{name}")(return_X_y=True)
     return torch.tensor(x, dtype=torch.float32), torch.tensor(y)
 
-# %% ../nbs/97_tabular.ipynb #8b17aede
+# %% ../nbs/97_tabular.ipynb #ac01fd2b
 def _baselines(
     x_train: Any, y_train: Any, x_test: Any, y_test: Any
 ) -> dict[str, float]:
     "Held-out accuracy of scaled logistic regression and scaled 5-NN."
-    _, linear_model, _, neighbors, pipeline, StandardScaler = _sklearn()
+    sk = _sklearn()
     models = {
-        "logistic_regression": linear_model.LogisticRegression(max_iter=1000),
-        "knn": neighbors.KNeighborsClassifier(n_neighbors=5),
+        "logistic_regression": sk.linear_model.LogisticRegression(max_iter=1000),
+        "knn": sk.neighbors.KNeighborsClassifier(n_neighbors=5),
     }
     accuracy = {}
     for name, classifier in models.items():
-        fitted = pipeline.make_pipeline(StandardScaler(), classifier).fit(
-            x_train, y_train
-        )
+        steps = sk.pipeline.make_pipeline(sk.StandardScaler(), classifier)
+        fitted = steps.fit(x_train, y_train)
         accuracy[name] = float((fitted.predict(x_test) == y_test).mean())
     return accuracy
 
@@ -654,7 +672,7 @@ def evaluate_real_tables(
 ) -> dict[str, dict[str, float]]:
     """Mean held-out accuracy over `num_splits` stratified splits of each table: the
     model in context, and scikit-learn's logistic regression and 5-NN."""
-    model_selection = _sklearn()[2]
+    model_selection = _sklearn().model_selection
     results = {}
     for name in names:
         x, y = load_real_table(name)
@@ -677,7 +695,7 @@ def evaluate_real_tables(
         results[name] = {k: round(sum(v) / len(v), 4) for k, v in scores.items()}
     return results
 
-# %% ../nbs/97_tabular.ipynb #5a324a43
+# %% ../nbs/97_tabular.ipynb #064224e2
 def check_table_setup(
     model: TableTransformer, prior: Any, eval_tables: Optional[Any] = None
 ) -> list[str]:
@@ -692,10 +710,10 @@ def check_table_setup(
                 f"holds {held}: lower dataset.{key} or raise model.{key}."
             )
         report.append(f"prior {key} {drawn} <= model {held}")
-    if prior.num_column_tags > model.max_features:
+    if prior.num_column_tags != model.max_features:
         raise ValueError(
-            f"the prior tags columns with numbers up to {prior.num_column_tags} but "
-            f"the model has {model.max_features} tags: set "
+            f"the prior draws column tags from 1..{prior.num_column_tags} but the "
+            f"model has {model.max_features} tags, which evaluation draws from: set "
             f"dataset.num_column_tags={model.max_features}."
         )
     for name in eval_tables or ():
@@ -711,7 +729,7 @@ def check_table_setup(
         report.append(f"{name}: {len(y)} rows, {features} features, {classes} classes")
     return report
 
-# %% ../nbs/97_tabular.ipynb #1a8b4b0d
+# %% ../nbs/97_tabular.ipynb #787ba595
 def save_table_model(
     state_dict: dict[str, torch.Tensor],
     model_config: dict[str, Any],
@@ -748,7 +766,7 @@ def save_table_model(
     _replace_folder(tmp, final)
     return final
 
-
+# %% ../nbs/97_tabular.ipynb #f800000a
 def load_table_model(folder: Union[str, Path]) -> TableTransformer:
     "The model a `save_table_model` folder describes, with its weights, in eval mode."
     import json
@@ -756,9 +774,20 @@ def load_table_model(folder: Union[str, Path]) -> TableTransformer:
     from safetensors.torch import load_file
 
     import torchtune_lit.config as config
-    from torchtune_lit.training.checkpointing import load_model_state_dict
+    from torchtune_lit.training.checkpointing import (
+        CheckpointError,
+        load_model_state_dict,
+    )
 
     folder = Path(folder)
-    model = config.instantiate(json.loads((folder / "config.json").read_text()))
-    load_model_state_dict(model, load_file(folder / "model.safetensors"))
+    model_config = json.loads((folder / "config.json").read_text())
+    model = config.instantiate(model_config)
+    try:
+        load_model_state_dict(model, load_file(folder / "model.safetensors"))
+    except CheckpointError as error:
+        raise CheckpointError(
+            f"{folder}/model.safetensors does not fit the model its config.json builds "
+            f"({model_config.get('_component_')}); was it written by save_table_model "
+            f"with that model's state dict? {error}"
+        ) from error
     return model.eval()

@@ -5,12 +5,14 @@
 # %% auto #0
 __all__ = ['setup', 'resume', 'save_step', 'train', 'recipe_main']
 
-# %% ../../nbs/98b_tabular_pretrain_distributed.ipynb #3996206a
+# %% ../../nbs/98b_tabular_pretrain_distributed.ipynb #8dfb54a6
 import json
 import sys
 import warnings
 
+import torch
 import torch.distributed as dist
+from torch.utils.data import DistributedSampler
 from omegaconf import DictConfig, OmegaConf
 
 import torchtune_lit.config as config
@@ -18,7 +20,7 @@ import torchtune_lit.tabular as tabular
 import torchtune_lit.training as training
 import torchtune_lit.training._distributed as distributed
 
-# %% ../../nbs/98b_tabular_pretrain_distributed.ipynb #6eb7955e
+# %% ../../nbs/98b_tabular_pretrain_distributed.ipynb #4f3169e9
 def setup(cfg: DictConfig) -> dict:
     "Process group, sharded model, this process's loader, optimizer and schedule."
     rank, world_size, device, dtype, output_dir = training.setup_process(cfg)
@@ -34,6 +36,15 @@ def setup(cfg: DictConfig) -> dict:
     loader = training.sampled_loader(
         dataset, cfg, tabular.collate_tables, rank, world_size
     )
+    val_loader = None
+    if cfg.get("validation_dataset"):  # each process: its share, in order
+        held_out = config.instantiate(cfg.validation_dataset)
+        val_loader = torch.utils.data.DataLoader(
+            held_out,
+            batch_size=cfg.batch_size,
+            sampler=DistributedSampler(held_out, world_size, rank, shuffle=False),
+            collate_fn=tabular.collate_tables,
+        )
     optimizer = config.instantiate(cfg.optimizer, model.parameters())
     accumulation, steps_per_epoch, total_steps, lr_scheduler = (
         training.training_schedule(cfg, len(loader), optimizer)
@@ -41,12 +52,13 @@ def setup(cfg: DictConfig) -> dict:
     return {
         "cfg": cfg, "rank": rank, "world_size": world_size, "device": device,
         "output_dir": output_dir, "model": model, "loader": loader,
+        "val_loader": val_loader,
         "optimizer": optimizer, "lr_scheduler": lr_scheduler,
         "accumulation": accumulation, "steps_per_epoch": steps_per_epoch,
         "total_steps": total_steps,
     }  # fmt: skip
 
-# %% ../../nbs/98b_tabular_pretrain_distributed.ipynb #ef6c0dac
+# %% ../../nbs/98b_tabular_pretrain_distributed.ipynb #8640b2e2
 def resume(run: dict) -> training.ResumePosition:
     "With resume_from_checkpoint, the newest sharded step_N read back by every process."
     cfg, output_dir = run["cfg"], run["output_dir"]
@@ -85,7 +97,7 @@ def save_step(run: dict, epoch: int, steps_into_epoch: int, step: int) -> None:
         training.prune_step_checkpoints(run["output_dir"], keep)
     dist.barrier()
 
-# %% ../../nbs/98b_tabular_pretrain_distributed.ipynb #5ff7394f
+# %% ../../nbs/98b_tabular_pretrain_distributed.ipynb #d02a9c29
 def _finish(run: dict) -> dict:
     "Gather, save and (on process 0) evaluate; returns process 0's eval results."
     cfg, output_dir = run["cfg"], run["output_dir"]
@@ -108,7 +120,7 @@ def _finish(run: dict) -> dict:
             print(json.dumps(results), flush=True)
     return results
 
-# %% ../../nbs/98b_tabular_pretrain_distributed.ipynb #5e44ea0a
+# %% ../../nbs/98b_tabular_pretrain_distributed.ipynb #85d2b159
 def train(cfg: DictConfig) -> list[dict]:
     "Run on every process; returns process 0's step metrics (others: [])."
     run = setup(cfg)
@@ -124,6 +136,7 @@ def train(cfg: DictConfig) -> list[dict]:
         run["loader"], run["device"], cfg.epochs, run["steps_per_epoch"],
         run["accumulation"], start,
     )  # fmt: skip
+    val_every = cfg.get("run_val_every_n_steps") or run["steps_per_epoch"]
     step = start.step
     for epoch, i, micro in batches:
         step += 1
@@ -131,6 +144,11 @@ def train(cfg: DictConfig) -> list[dict]:
             run["model"], run["optimizer"], micro, step, cfg.get("clip_grad_norm"),
             run["lr_scheduler"], run["world_size"],
         )  # fmt: skip
+        if run["val_loader"] is not None and step % val_every == 0:
+            validation = tabular.table_validation(
+                run["model"], run["val_loader"], run["world_size"]
+            )
+            metrics.update(validation)
         if reporter is not None:
             reporter.report(epoch, metrics)
         save_step(run, epoch, i + 1, step)
@@ -140,14 +158,14 @@ def train(cfg: DictConfig) -> list[dict]:
     dist.destroy_process_group()
     return history
 
-# %% ../../nbs/98b_tabular_pretrain_distributed.ipynb #b412ebce
+# %% ../../nbs/98b_tabular_pretrain_distributed.ipynb #a4b59b6f
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
     """Entry point: `tunelit run --nproc_per_node N tabular_pretrain_distributed
     --config tiny/tabular_distributed`."""
     train(cfg)
 
-# %% ../../nbs/98b_tabular_pretrain_distributed.ipynb #f6cee267
+# %% ../../nbs/98b_tabular_pretrain_distributed.ipynb #79492f0a
 #| eval: false
 if __name__ == "__main__":
     sys.exit(recipe_main())

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['TableRun', 'setup', 'save_step', 'resume', 'evaluate', 'train', 'recipe_main']
 
-# %% ../../nbs/98_tabular_pretrain_single_device.ipynb #c7bcdbe1
+# %% ../../nbs/98_tabular_pretrain_single_device.ipynb #c4dc39f2
 import json
 import sys
 from dataclasses import dataclass
@@ -19,7 +19,7 @@ import torchtune_lit.config as config
 import torchtune_lit.tabular as tabular
 import torchtune_lit.training as training
 
-# %% ../../nbs/98_tabular_pretrain_single_device.ipynb #671f12be
+# %% ../../nbs/98_tabular_pretrain_single_device.ipynb #d7c7cb18
 @dataclass
 class TableRun:
     "What the loop uses, built by `setup`."
@@ -61,7 +61,7 @@ def setup(cfg: DictConfig) -> TableRun:
         accumulation, steps_per_epoch, total_steps,
     )  # fmt: skip
 
-# %% ../../nbs/98_tabular_pretrain_single_device.ipynb #cfab9753
+# %% ../../nbs/98_tabular_pretrain_single_device.ipynb #db9b750b
 def _model_config(cfg: DictConfig) -> dict:
     return OmegaConf.to_container(cfg.model, resolve=True)
 
@@ -100,7 +100,7 @@ def resume(run: TableRun) -> training.ResumePosition:
     log = run.output_dir / "log.jsonl"
     return training.resume_position(state, run.optimizer, run.lr_scheduler, log)
 
-# %% ../../nbs/98_tabular_pretrain_single_device.ipynb #b995cd0f
+# %% ../../nbs/98_tabular_pretrain_single_device.ipynb #32d7bb91
 def evaluate(cfg: DictConfig, model: torch.nn.Module, output_dir: Path) -> dict:
     "In-context accuracy and the scikit-learn baselines on the eval tables: eval.json."
     results = tabular.evaluate_real_tables(
@@ -119,7 +119,7 @@ def evaluate(cfg: DictConfig, model: torch.nn.Module, output_dir: Path) -> dict:
     print(f"Wrote {output_dir / 'eval.json'}")
     return results
 
-# %% ../../nbs/98_tabular_pretrain_single_device.ipynb #e55e6be2
+# %% ../../nbs/98_tabular_pretrain_single_device.ipynb #28f56726
 def train(cfg: DictConfig) -> dict:
     """Run the recipe; returns the step metrics, the saved folder, the eval results and
     the model."""
@@ -156,13 +156,13 @@ def train(cfg: DictConfig) -> dict:
     )
     return {"history": history, "folder": folder, "eval": results, "model": run.model}
 
-# %% ../../nbs/98_tabular_pretrain_single_device.ipynb #1bbf3344
+# %% ../../nbs/98_tabular_pretrain_single_device.ipynb #51ca4080
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
     "Entry point: `tunelit run tabular_pretrain_single_device --config tiny/tabular`."
     train(cfg)
 
-# %% ../../nbs/98_tabular_pretrain_single_device.ipynb #87960b1f
+# %% ../../nbs/98_tabular_pretrain_single_device.ipynb #9262202a
 #| eval: false
 if __name__ == "__main__":
     sys.exit(recipe_main())
