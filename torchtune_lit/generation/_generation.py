@@ -95,6 +95,7 @@ def _decode(
         input_pos=positions,
     )
     next_pos = positions[:, -1] + 1
+    padded = not bool(padding.all())
     stop = torch.tensor(list(stop_tokens or []), device=device)
     done = torch.zeros(batch, dtype=torch.bool, device=device)
     generated = []
@@ -105,6 +106,9 @@ def _decode(
         done |= torch.isin(token, stop)
         if (stop_early and done.all()) or step == max_new_tokens - 1:
             break
+        if not padded:  # every row sees all cached tokens; positions follow the cache
+            logits = model(token[:, None])
+            continue
         column = prompt_len + step
         visible[:, column] = True
         mask = (

@@ -191,7 +191,8 @@ def _attend(
             v.to(compute),
             attn_mask=None if mask is None else mask[:, None],
             dropout_p=dropout,
-            is_causal=self.is_causal and mask is None,
+            # a single query (decoding) sees every key it is given
+            is_causal=self.is_causal and mask is None and q.shape[2] > 1,
             scale=self.scale,
             enable_gqa=group > 1,
         ).to(q.dtype)
@@ -302,6 +303,44 @@ def _attend_documents(
 MultiHeadAttention._packed_spans = _packed_spans
 MultiHeadAttention._attend_documents = _attend_documents
 
+# %% ../../nbs/14_attention.ipynb #ce0d2912
+def _cached_keys(
+    self: "MultiHeadAttention",
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """Append k, v [b, kv_heads, s, d] to the cache; return the keys and values written
+    so far and `mask` cut to them.
+    """
+    k, v = self.kv_cache.update(k, v)
+    filled = self.kv_cache.size
+    if mask is not None:
+        mask = mask[..., :filled]
+    return k[:, :, :filled], v[:, :, :filled], mask
+
+
+def _sees_whole_cache(
+    self: "MultiHeadAttention",
+    s: int,
+    mask: Optional[torch.Tensor],
+    input_pos: Optional[torch.Tensor],
+) -> bool:
+    """True when one new token placed after all the cached ones (no mask, no positions
+    given) may attend to every cached key, so no mask is needed.
+    """
+    return (
+        self.kv_cache is not None
+        and s == 1
+        and mask is None
+        and input_pos is None
+        and self.sliding_window is None
+    )
+
+
+MultiHeadAttention._cached_keys = _cached_keys
+MultiHeadAttention._sees_whole_cache = _sees_whole_cache
+
 # %% ../../nbs/14_attention.ipynb #3209918b
 def _forward(
     self: "MultiHeadAttention",
@@ -335,8 +374,11 @@ def _forward(
     # [b, heads, seq, head_dim]
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     if self.kv_cache is not None:
-        k, v = self.kv_cache.update(k, v)
-    mask = self._attention_mask(mask, positions, s, k.shape[2], x.device)
+        k, v, mask = self._cached_keys(k, v, mask)
+    if self._sees_whole_cache(s, mask, input_pos):
+        mask = None  # one new token after all the cached ones: nothing to hide
+    else:
+        mask = self._attention_mask(mask, positions, s, k.shape[2], x.device)
     spans = self._packed_spans(q, mask, positions)
     if spans is not None:  # packed rows on a CPU: attend per document
         out = self._attend_documents(q, k, v, spans)
