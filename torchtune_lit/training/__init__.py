@@ -13,11 +13,11 @@ __all__ = ['memory', 'OffloadActivations', 'compile_loss', 'compile_model', 'est
            'save_step_checkpoint', 'setup_sft', 'setup_sharded', 'sft_loop', 'sharded_loop', 'DTYPES', 'JsonlLogger',
            'capture_rng_state', 'check_loss_is_finite', 'ResumePosition', 'build_dataloader', 'build_loss',
            'forward_loss', 'summed_loss', 'optimizer_step', 'resumable_batches', 'sampled_loader',
-           'build_validation_loader', 'check_run_values', 'get_device', 'get_dtype', 'latest_step_checkpoint',
-           'load_recipe_state', 'lr_schedulers', 'make_recipe_state', 'prune_step_checkpoints', 'read_jsonl',
-           'restore_rng_state', 'restore_training_state', 'resume_position', 'resume_state', 'setup_run', 'scale_grads',
-           'set_seed', 'shift_labels', 'summed_cross_entropy', 'training_schedule', 'truncate_log', 'validation_loss',
-           'runs']
+           'build_validation_loader', 'check_run_values', 'get_device', 'get_dtype', 'cpu_bf16_slowdown',
+           'SLOW_CPU_BF16', 'latest_step_checkpoint', 'load_recipe_state', 'lr_schedulers', 'make_recipe_state',
+           'prune_step_checkpoints', 'read_jsonl', 'restore_rng_state', 'restore_training_state', 'resume_position',
+           'resume_state', 'setup_run', 'scale_grads', 'set_seed', 'shift_labels', 'summed_cross_entropy',
+           'training_schedule', 'truncate_log', 'validation_loss', 'runs']
 
 # %% ../../nbs/79_training_map.ipynb #7132ef91
 from torchtune_lit.training import (
@@ -102,6 +102,8 @@ from torchtune_lit.training._utils import (
     sampled_loader,
     build_validation_loader,
     check_run_values,
+    SLOW_CPU_BF16,
+    cpu_bf16_slowdown,
     get_device,
     get_dtype,
     latest_step_checkpoint,
@@ -189,6 +191,8 @@ _all_ = [
     "check_run_values",
     "get_device",
     "get_dtype",
+    "cpu_bf16_slowdown",
+    "SLOW_CPU_BF16",
     "latest_step_checkpoint",
     "load_recipe_state",
     "lr_schedulers",

@@ -31,20 +31,26 @@ SLOW_CPU_BF16 = 4.0  # warn when a bf16 matmul takes more than this x the fp32 o
 
 
 @functools.lru_cache(maxsize=1)
-def cpu_bf16_slowdown(size: int = 256, repeats: int = 3) -> float:
+def cpu_bf16_slowdown(size: int = 256, repeats: int = 5) -> float:
     """How many times longer a [size x size] bf16 matmul takes than the fp32 one on
-    this CPU (best of `repeats` each), measured once per process.
+    this CPU (best of `repeats` each, on one thread), measured once per process.
     """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # threads waiting on each other would time the scheduler
     timings = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
-        a @ b  # warm-up
-        best = math.inf
-        for _ in range(repeats):
-            start = time.perf_counter()
-            a @ b
-            best = min(best, time.perf_counter() - start)
-        timings[dtype] = best
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            a = torch.randn(size, size).to(dtype)
+            b = torch.randn(size, size).to(dtype)
+            a @ b  # warm-up
+            best = math.inf
+            for _ in range(repeats):
+                start = time.perf_counter()
+                a @ b
+                best = min(best, time.perf_counter() - start)
+            timings[dtype] = best
+    finally:
+        torch.set_num_threads(threads)
     return timings[torch.bfloat16] / timings[torch.float32]
 
 
