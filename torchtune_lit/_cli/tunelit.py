@@ -450,19 +450,34 @@ def _add_download_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_download)
 
 # %% ../../nbs/03_cli.ipynb #870c04ca
+def _runs_module():
+    """`torchtune_lit.training.runs`, loaded on its own unless the training package is
+    already imported: it reads logs and draws with matplotlib, and needs no PyTorch,
+    which the package's `__init__` would import first (seconds, for a PNG).
+    """
+    import importlib.util
+
+    if "torchtune_lit.training" in sys.modules:
+        return importlib.import_module("torchtune_lit.training.runs")
+    package = Path(importlib.util.find_spec("torchtune_lit").origin).parent
+    spec = importlib.util.spec_from_file_location(
+        "_tunelit_runs", package / "training" / "runs.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
 def cmd_plot(args: argparse.Namespace) -> int:
     "Draw a run's loss curves to a PNG and say where."
-    from torchtune_lit.training.runs import plot_run
-
-    print(f"Wrote {plot_run(args.output_dir, args.output)}")
+    print(f"Wrote {_runs_module().plot_run(args.output_dir, args.output)}")
     return 0
 
 
 def cmd_runs(args: argparse.Namespace) -> int:
     "Print the results table of the given run folders."
-    from torchtune_lit.training.runs import runs_table
-
-    print(runs_table(args.output_dirs))
+    print(_runs_module().runs_table(args.output_dirs))
     return 0
 
 
