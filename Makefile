@@ -47,7 +47,7 @@ test-nbs:
 	cd nbs && OMP_NUM_THREADS=1 ../$(BIN)/nbdev_test --n_workers 2 --timing
 
 test-py:
-	$(BIN)/python -m pytest tests/ -q
+	$(BIN)/python -m pytest tests/ -q --durations=20
 
 readme: setup
 	$(BIN)/python docs/make_readme.py

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Every table of benchmarks/README.md in one go (~40 min on 2 cores) (needs benchmarks/.venv-torchtune: bash benchmarks/make_peer_env.sh).
 # On a CPU without bf16 instructions (AVX2 only), where PyTorch emulates bf16 matmuls tens of times slower than fp32,
-# the bf16 rows (and the compiled and scaling runs, which are bf16) are skipped with the measured ratio: they would
-# take hours and measure the emulation, the same ATen kernel for every library.
+# the bf16 rows (and the scaling run, which is bf16) are skipped with the measured ratio: they would take hours and
+# measure the emulation, the same ATen kernel for every library. The compiled rows then run in fp32 instead.
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=../.venv/bin/python
@@ -29,5 +29,7 @@ if [ "$bf16" = yes ]; then
   echo "=== extras"; $PY extras.py all
   echo "=== scaling"; $PY scaling.py | tail -13
 else
+  run --peer torchtune --mode lora --dtype fp32 --compile --pairs 3
+  run --peer hf --mode lora --dtype fp32 --compile --pairs 3
   echo "=== extras (generation, fp32)"; $PY extras.py generation; $PY extras.py generation_batch8; $PY extras.py nf4_time
 fi
