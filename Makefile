@@ -4,7 +4,7 @@ PYTHON ?= python3
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: setup main test test-export test-readme test-site test-nbs test-py readme site nbs clean
+.PHONY: setup main export test test-export test-lint test-readme test-site test-nbs test-py readme site nbs clean
 
 setup: $(VENV)/.installed
 
@@ -31,11 +31,21 @@ main: $(VENV)/.installed-main
 		output_dir=/tmp/torchtune_lit/tiny_lora/eval_best
 	$(BIN)/tunelit plot /tmp/torchtune_lit/tiny_lora
 
-# (a) export sync, README sync, (d) site build, (b) every notebook, (c) pytest -- pytest's summary line last.
-test: setup test-export test-readme test-site test-nbs test-py
+# Write torchtune_lit/ from the notebooks. nbdev rewrites one-line imports of the package as relative ones, which
+# moves them in isort's order; ruff puts them back in order, so the generated package passes `ruff check`.
+export: setup
+	$(BIN)/nbdev_export
+	$(BIN)/ruff check --select I --fix --quiet torchtune_lit
+
+# (a) export sync, lint (ruff, and the import rules in tests/test_imports.py run with pytest), README sync,
+# (d) site build, (b) every notebook, (c) pytest -- pytest's summary line last.
+test: setup test-export test-lint test-readme test-site test-nbs test-py
 
 test-export:
 	$(BIN)/python tests/check_export_sync.py
+
+test-lint:
+	$(BIN)/ruff check torchtune_lit tests
 
 test-readme:
 	$(BIN)/python docs/make_readme.py --check
@@ -56,8 +66,7 @@ site: setup
 	$(BIN)/python docs/build_site.py
 
 # Re-run every chapter and save its outputs (plots), then strip noise for clean diffs.
-nbs: setup
-	$(BIN)/nbdev_export
+nbs: export
 	$(BIN)/python docs/execute_notebooks.py
 	$(BIN)/nbdev_clean
 

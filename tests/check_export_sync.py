@@ -1,7 +1,8 @@
-"""Fail when the package under torchtune_lit/ is not exactly what `nbdev_export` makes from nbs/.
+"""Fail when the package under torchtune_lit/ is not exactly what `make export` makes from nbs/.
 
 The notebooks are the source; a hand edit of an exported .py file, or a notebook edited without re-exporting,
-would make the package and the book disagree. We snapshot every exported file, run nbdev_export, and compare.
+would make the package and the book disagree. We snapshot every exported file, export again (`nbdev_export`, then
+`ruff check --select I --fix`, which sorts the imports nbdev rewrote as relative ones), and compare.
 """
 import subprocess
 import sys
@@ -17,8 +18,10 @@ def snapshot() -> dict[str, bytes]:
 
 def main() -> int:
     before = snapshot()
-    nbdev_export = Path(sys.executable).parent / "nbdev_export"
-    subprocess.run([str(nbdev_export)], cwd=ROOT, check=True)
+    bin_dir = Path(sys.executable).parent
+    subprocess.run([str(bin_dir / "nbdev_export")], cwd=ROOT, check=True)
+    subprocess.run([str(bin_dir / "ruff"), "check", "--select", "I", "--fix", "--quiet", "torchtune_lit"],
+                   cwd=ROOT, check=True)
     after = snapshot()
     changed = sorted(k for k in before.keys() & after.keys() if before[k] != after[k])
     added, removed = sorted(after.keys() - before.keys()), sorted(before.keys() - after.keys())
@@ -27,7 +30,7 @@ def main() -> int:
         for label, names in (("changed", changed), ("created", added), ("not produced", removed)):
             for name in names:
                 print(f"  {label}: {name}", file=sys.stderr)
-        print("Edit the notebook in nbs/ (never the .py), run nbdev_export, and commit both.", file=sys.stderr)
+        print("Edit the notebook in nbs/ (never the .py), run `make export`, and commit both.", file=sys.stderr)
         return 1
     print(f"export sync: the {len(after)} files under torchtune_lit/ match nbs/")
     return 0

@@ -121,7 +121,7 @@ CASES = {
     "lr=abc": (lambda t: lora(t / "o", "optimizer.lr=abc"), "optimizer.lr must be a number such as 3e-4, got 'abc'."),
     "~epochs": (lambda t: lora(t / "o", "~epochs"), "the config has no epochs: add it"),
     "empty data file": (lambda t: lora(t / "o", f"dataset.data_files={t / 'empty.jsonl'}"),
-                        f"is empty; add rows to it."),
+                        "is empty; add rows to it."),
     "column missing in every row": (lambda t: lora(t / "o", f"dataset.data_files={t / 'missing_all.jsonl'}"),
                                     "dataset has no column 'label' (expected for 'output'); its columns are "
                                     "['header', 'prompt']"),

@@ -6,7 +6,6 @@ import torch
 from torchtune_lit.models.llama3_1 import llama3_1_70b
 from torchtune_lit.modules import Llama3ScaledRoPE, RotaryPositionalEmbeddings
 
-
 def meta_reference_rope(x: torch.Tensor, base: float, freqs: torch.Tensor | None = None) -> torch.Tensor:
     """RoPE as Meta's llama/model.py computes it, in its precision (fp32 angles, complex64): freqs_cis =
     polar(1, outer(t, freqs)) times the interleaved pairs viewed as complex numbers. x: [batch, seq, heads, head_dim]."""

@@ -4,9 +4,12 @@ import json
 import pytest
 
 from torchtune_lit.config import _asset_path
-from torchtune_lit.data import Message
-from torchtune_lit.datasets import instruct_dataset, preference_dataset, text_completion_dataset, tiny_tokenizer
-
+from torchtune_lit.datasets import (
+    instruct_dataset,
+    preference_dataset,
+    text_completion_dataset,
+    tiny_tokenizer,
+)
 
 def test_filter_fn_and_new_system_prompt():
     tok = tiny_tokenizer()

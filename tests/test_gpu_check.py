@@ -4,7 +4,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 def test_gpu_check_dry_run_prints_its_table():
     script = Path(__file__).parents[1] / "benchmarks" / "gpu_check.py"
     result = subprocess.run([sys.executable, str(script), "--dry-run"], capture_output=True, text=True, timeout=600)

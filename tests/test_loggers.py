@@ -3,7 +3,11 @@ tracking client, the JSON-lines log, stdout."""
 import pytest
 
 from torchtune_lit.training import JsonlLogger, read_jsonl
-from torchtune_lit.training.metric_logging import MLFlowLogger, StdoutLogger, TensorBoardLogger
+from torchtune_lit.training.metric_logging import (
+    MLFlowLogger,
+    StdoutLogger,
+    TensorBoardLogger,
+)
 
 STEPS = [{"loss": 2.5, "lr": 1e-3, "tokens_per_second": 1200.0, "note": "not a number"},
          {"loss": 2.25, "lr": 9e-4, "tokens_per_second": 1300.0},

@@ -15,11 +15,17 @@ import peft
 import pytest
 import torch
 import transformers
-
 from test_hf_parity import SMALL, randomize_
+
 from torchtune_lit.models import build_from_hf_config
-from torchtune_lit.modules.peft import (DoRALinear, apply_lora, get_adapter_params, get_adapter_state_dict,
-                                        get_lora_module_names, get_merged_lora_ckpt)
+from torchtune_lit.modules.peft import (
+    DoRALinear,
+    apply_lora,
+    get_adapter_params,
+    get_adapter_state_dict,
+    get_lora_module_names,
+    get_merged_lora_ckpt,
+)
 from torchtune_lit.training import FullModelHFCheckpointer, load_model_state_dict
 
 CASES = {

@@ -1,7 +1,6 @@
 """Exact resume under a real kill: a run killed with SIGKILL after step k and resumed logs, from step k+1, exactly the
 losses of an uninterrupted run (same data order, optimizer moments, learning rates and random states)."""
 import json
-import os
 import signal
 import subprocess
 import sys

@@ -14,8 +14,13 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from torchtune_lit.config import _asset_path
 from torchtune_lit.data._messages import Message
 from torchtune_lit.tokenizers._base import HuggingFaceBaseTokenizer
-from torchtune_lit.tokenizers._chat import (LLAMA3_SPECIAL_TOKENS, gemma_tokenizer, llama3_tokenizer,
-                                            mistral_tokenizer, qwen2_5_tokenizer)
+from torchtune_lit.tokenizers._chat import (
+    LLAMA3_SPECIAL_TOKENS,
+    gemma_tokenizer,
+    llama3_tokenizer,
+    mistral_tokenizer,
+    qwen2_5_tokenizer,
+)
 from torchtune_lit.tokenizers._hf_template import HuggingFaceModelTokenizer
 
 LLAMA3_TEMPLATE = (
@@ -171,6 +176,7 @@ def _byte_level_table():
 def test_tiktoken_base_tokenizer_equals_transformers_on_the_same_bpe(tmp_path, text):
     "A tiktoken rank file written from a byte-level BPE's vocabulary tokenises like transformers does with the BPE."
     import base64
+
     from torchtune_lit.tokenizers._base import TikTokenBaseTokenizer
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)

@@ -6,9 +6,8 @@
 __all__ = ['ACTIVATIONS', 'REAL_TABLES', 'cluster_table', 'mlp_columns', 'linear_table', 'tree_labels', 'quantile_labels',
            'sample_table', 'SyntheticTablePrior', 'collate_tables', 'context_standardize', 'TableCellEncoder',
            'table_attention', 'TableBlock', 'LabelAttention', 'TableTransformer', 'table_transformer',
-           'tiny_table_transformer', 'table_loss', 'table_accuracy', 'table_step', 'table_validation',
-           'predict_in_context', 'load_real_table', 'evaluate_real_tables', 'check_table_setup', 'save_table_model',
-           'load_table_model']
+           'tiny_table_transformer', 'table_loss', 'table_accuracy', 'table_validation', 'predict_in_context',
+           'load_real_table', 'evaluate_real_tables', 'check_table_setup', 'save_table_model', 'load_table_model']
 
 # %% ../nbs/97_tabular.ipynb #acfa83af
 import math
@@ -18,6 +17,8 @@ from typing import Any, Optional, Union
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+import torchtune_lit.training as training
 
 from .modules import FeedForward, MultiHeadAttention, RMSNorm
 
@@ -508,42 +509,6 @@ def table_accuracy(
     return int((guess == batch["y"])[is_query].sum()), int(is_query.sum())
 
 # %% ../nbs/97_tabular.ipynb #8280e73c
-def table_step(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    micro_batches: list[dict[str, torch.Tensor]],
-    step: int,
-    clip_grad_norm: Optional[float] = None,
-    lr_scheduler: Any = None,
-    world_size: int = 1,
-) -> dict[str, float]:
-    """One optimizer step over `micro_batches`: the mean cross-entropy over all their
-    query rows (on all processes), and the accuracy on them."""
-    import time
-
-    from torchtune_lit.training import optimizer_step
-
-    started, loss_sum, rows, right = time.perf_counter(), 0.0, 0, 0
-    for batch in micro_batches:
-        logits = model(batch)
-        loss, count = table_loss(logits, batch)
-        loss.backward()
-        hits, _ = table_accuracy(logits.detach(), batch)
-        loss_sum, rows, right = loss_sum + loss.item(), rows + count, right + hits
-    if world_size > 1:
-        from torchtune_lit.training._distributed import all_reduce_sum
-
-        right = all_reduce_sum(right, logits.device)
-    metrics = optimizer_step(
-        model, optimizer, step, loss_sum, rows, started, clip_grad_norm,
-        lr_scheduler, world_size,
-    )  # fmt: skip
-    metrics["query_rows"] = metrics.pop("tokens")  # summed over processes
-    metrics["rows_per_second"] = metrics.pop("tokens_per_second")
-    metrics["accuracy"] = right / metrics["query_rows"]
-    return metrics
-
-
 @torch.no_grad()
 def table_validation(
     model: nn.Module, loader: Any, world_size: int = 1
@@ -559,10 +524,8 @@ def table_validation(
         hits, _ = table_accuracy(logits, batch)
         totals = [totals[0] + loss.item(), totals[1] + hits, totals[2] + count]
     model.train(was_training)
-    if world_size > 1:
-        from torchtune_lit.training._distributed import all_reduce_sum
-
-        totals = [all_reduce_sum(t, device) for t in totals]
+    if world_size > 1:  # each total summed over the processes, in float64
+        totals = [training.all_reduce_sum(t, device) for t in totals]
     return {"val_loss": totals[0] / totals[2], "val_accuracy": totals[1] / totals[2]}
 
 # %% ../nbs/97_tabular.ipynb #410cd3f8

@@ -19,15 +19,15 @@ from typing import Optional, Sequence
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from .. import config as _config
 from torchtune_lit._recipe_registry import (
-    RegistryError,
     find_config,
     find_recipe,
     get_all_recipes,
     resolve_config_path,
     resolve_recipe_path,
 )
+
+from .. import config as _config
 
 # %% auto #0
 __all__ = ['TORCHRUN_FLAGS', 'SANITY_OVERRIDES', 'SANITY_INTERRUPTED', 'EXPECTED_ERRORS', 'cmd_ls', 'cmd_cp', 'load_cli_config',

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['left_pad_sequence', 'padded_collate_dpo', 'padded_collate_packed', 'padded_collate_sft', 'CROSS_ENTROPY_IGNORE_IDX',
            'ChosenRejectedToMessages', 'InputOutputToMessages', 'Message', 'OpenAIToMessages', 'ShareGPTToMessages',
-           'mask_messages', 'validate_messages']
+           'mask_messages', 'validate_messages', 'ColumnError', 'read_column']
 
 # %% ../../nbs/48_data_map.ipynb #578f6890
 from torchtune_lit.data._collate import (
@@ -17,11 +17,13 @@ from torchtune_lit.data._collate import (
 from torchtune_lit.data._messages import (
     CROSS_ENTROPY_IGNORE_IDX,
     ChosenRejectedToMessages,
+    ColumnError,
     InputOutputToMessages,
     Message,
     OpenAIToMessages,
     ShareGPTToMessages,
     mask_messages,
+    read_column,
     validate_messages,
 )
 
@@ -38,4 +40,6 @@ _all_ = [
     "ShareGPTToMessages",
     "mask_messages",
     "validate_messages",
+    "ColumnError",
+    "read_column",
 ]

@@ -6,14 +6,12 @@
 __all__ = ['padded_collate_sft', 'padded_collate_dpo', 'padded_collate_packed', 'left_pad_sequence']
 
 # %% ../../nbs/45_collate.ipynb #ae2ecd3c
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
-from ._messages import CROSS_ENTROPY_IGNORE_IDX
 from ..modules.attention_utils import create_block_causal_mask
+from ._messages import CROSS_ENTROPY_IGNORE_IDX
 
 # %% ../../nbs/45_collate.ipynb #716403e0
 def _right_pad(sequences: list[list[int]], value: int, length: int) -> torch.Tensor:

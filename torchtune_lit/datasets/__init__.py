@@ -7,32 +7,37 @@ __all__ = ['PreferenceDataset', 'SFTDataset', 'TextCompletionDataset', 'chat_dat
            'text_completion_dataset', 'PackedDataset', 'tiny_tokenizer', 'ConcatDataset', 'alpaca_dataset',
            'alpaca_cleaned_dataset', 'slimorca_dataset', 'samsum_dataset', 'grammar_dataset',
            'cnn_dailymail_articles_dataset', 'wikitext_dataset', 'stack_exchange_paired_dataset',
-           'hh_rlhf_helpful_dataset']
+           'hh_rlhf_helpful_dataset', 'load_rows', 'build_datasets', 'dataset_entries', 'shared_setting']
 
 # %% ../../nbs/49_datasets_map.ipynb #b4af56cf
 from torchtune_lit.datasets._builders import (
-    PreferenceDataset,
-    SFTDataset,
-    TextCompletionDataset,
-    chat_dataset,
-    instruct_dataset,
-    preference_dataset,
-    text_completion_dataset,
+           PreferenceDataset,
+           SFTDataset,
+           TextCompletionDataset,
+           chat_dataset,
+           instruct_dataset,
+           load_rows,
+           preference_dataset,
+           text_completion_dataset,
 )
 from torchtune_lit.datasets._named import (
-    ConcatDataset,
-    alpaca_cleaned_dataset,
-    alpaca_dataset,
-    cnn_dailymail_articles_dataset,
-    grammar_dataset,
-    hh_rlhf_helpful_dataset,
-    samsum_dataset,
-    slimorca_dataset,
-    stack_exchange_paired_dataset,
-    wikitext_dataset,
+           ConcatDataset,
+           alpaca_cleaned_dataset,
+           alpaca_dataset,
+           build_datasets,
+           cnn_dailymail_articles_dataset,
+           dataset_entries,
+           grammar_dataset,
+           hh_rlhf_helpful_dataset,
+           samsum_dataset,
+           shared_setting,
+           slimorca_dataset,
+           stack_exchange_paired_dataset,
+           wikitext_dataset,
 )
+
+from ..tokenizers import tiny_tokenizer
 from ._packed import PackedDataset
-from ..tokenizers._chat import tiny_tokenizer
 
 _all_ = [
     "PreferenceDataset",
@@ -54,4 +59,8 @@ _all_ = [
     "wikitext_dataset",
     "stack_exchange_paired_dataset",
     "hh_rlhf_helpful_dataset",
+    "load_rows",
+    "build_datasets",
+    "dataset_entries",
+    "shared_setting",
 ]

@@ -16,10 +16,10 @@ from typing import Any, Callable, Mapping, Optional
 import numpy as np
 from torch.utils.data import Dataset
 
-from torchtune_lit.data._messages import (
+from torchtune_lit.data import (
     CROSS_ENTROPY_IGNORE_IDX,
-    ColumnError,
     ChosenRejectedToMessages,
+    ColumnError,
     InputOutputToMessages,
     OpenAIToMessages,
     ShareGPTToMessages,

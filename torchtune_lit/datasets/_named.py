@@ -13,7 +13,6 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from torch.utils.data import ConcatDataset, Dataset
 
-from ..data._messages import ChosenRejectedToMessages, Message, _column
 from torchtune_lit.datasets._builders import (
     PreferenceDataset,
     SFTDataset,
@@ -22,6 +21,8 @@ from torchtune_lit.datasets._builders import (
     instruct_dataset,
     text_completion_dataset,
 )
+
+from ..data import ChosenRejectedToMessages, Message, read_column
 
 # %% ../../nbs/43b_named_datasets.ipynb #161ed9f7
 ALPACA_PROMPT_WITH_INPUT = (
@@ -49,14 +50,14 @@ class AlpacaToMessages:
         self.train_on_input, self.column_map = train_on_input, column_map
 
     def __call__(self, row: Mapping[str, Any]) -> dict[str, list[Message]]:
-        instruction = _column(row, "instruction", self.column_map)
-        given = _column(row, "input", self.column_map)
+        instruction = read_column(row, "instruction", self.column_map)
+        given = read_column(row, "input", self.column_map)
         prompt = (
             ALPACA_PROMPT_WITH_INPUT.format(instruction=instruction, input=given)
             if given
             else ALPACA_PROMPT_NO_INPUT.format(instruction=instruction)
         )
-        output = _column(row, "output", self.column_map)
+        output = read_column(row, "output", self.column_map)
         return {
             "messages": [
                 Message("user", prompt, masked=not self.train_on_input),
@@ -181,12 +182,12 @@ class StackExchangePairedToMessages:
         }
 
     def __call__(self, row: Mapping[str, Any]) -> dict[str, list[Message]]:
-        question = _column(row, "prompt", self.column_map)
+        question = read_column(row, "prompt", self.column_map)
         prompt = Message(
             "user", f"Question: {question}\n\nAnswer: ", masked=not self.train_on_input
         )
         return {
-            key: [prompt, Message("assistant", _column(row, key, self.column_map))]
+            key: [prompt, Message("assistant", read_column(row, key, self.column_map))]
             for key in ("chosen", "rejected")
         }
 

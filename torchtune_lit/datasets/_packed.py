@@ -10,7 +10,7 @@ from typing import Optional
 
 from torch.utils.data import Dataset
 
-from ..data._messages import CROSS_ENTROPY_IGNORE_IDX
+from ..data import CROSS_ENTROPY_IGNORE_IDX
 
 # %% ../../nbs/44_packing.ipynb #976dc4fb
 def _empty_pack() -> dict[str, list[int]]:

@@ -372,8 +372,14 @@ def hf_tokenizer_files(sentencepiece_model: bytes) -> dict[str, str]:
     """tokenizer.json, tokenizer_config.json and generation_config.json (as text) for a
     SentencePiece BPE model with byte fallback and no dummy prefix."""
     import sentencepiece as spm
-    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
-    from tokenizers import processors
+    from tokenizers import (
+        AddedToken,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        processors,
+    )
 
     sp = spm.SentencePieceProcessor(model_proto=sentencepiece_model)
     pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]

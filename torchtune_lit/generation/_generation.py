@@ -10,11 +10,12 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from ..data._collate import left_pad_sequence
 from torchtune_lit.modules.attention_utils import (
     get_causal_mask_from_padding_mask,
     get_position_ids_from_padding_mask,
 )
+
+from ..data import left_pad_sequence
 
 # %% ../../nbs/90_generation.ipynb #b9a8a3e9
 def sample(

@@ -10,14 +10,15 @@ from typing import Callable, Optional, Sequence
 
 from torch import nn
 
-from ..modules.attention import MultiHeadAttention
-from ..modules.feed_forward import FeedForward
-from ..modules.rms_norm import GemmaRMSNorm, RMSNorm
 from torchtune_lit.modules.transformer import (
     TiedLinear,
     TransformerDecoder,
     TransformerSelfAttentionLayer,
 )
+
+from ..modules.attention import MultiHeadAttention
+from ..modules.feed_forward import FeedForward
+from ..modules.rms_norm import GemmaRMSNorm, RMSNorm
 
 # %% ../../nbs/20_decoder_builder.ipynb #caeeb91b
 NORMS = {"rms": RMSNorm, "gemma": GemmaRMSNorm}

@@ -13,7 +13,6 @@ from typing import Any, Callable, Optional
 
 from torch import nn
 
-
 @dataclass(frozen=True)
 class ModelFamily:
     """What the library knows about one Hugging Face `model_type`; the key conversion,

@@ -12,8 +12,6 @@ from typing import Any, Union
 
 from torch import nn
 
-from ._decoder_builder import build_decoder
-from ._families import MODEL_FAMILIES
 from torchtune_lit.modules.position_embeddings import (
     LinearScaledRoPE,
     Llama3ScaledRoPE,
@@ -21,7 +19,10 @@ from torchtune_lit.modules.position_embeddings import (
     RotaryPositionalEmbeddings,
     longrope_attention_factor,
 )
+
 from ..modules.transformer import TransformerDecoder
+from ._decoder_builder import build_decoder
+from ._families import MODEL_FAMILIES
 
 # %% ../../nbs/31_hf_config.ipynb #02a0c620
 SUPPORTED_MODEL_TYPES = tuple(MODEL_FAMILIES)

@@ -257,7 +257,6 @@ def tune_to_hf(
 # %% ../../nbs/30_convert_weights.ipynb #182beba0
 from typing import Any
 
-
 def head_and_rotary_dims(config: dict[str, Any]) -> tuple[int, int]:
     """A config.json's head width and how many of its channels RoPE rotates:
     head_dim x partial_rotary_factor (1 unless the config says otherwise)."""

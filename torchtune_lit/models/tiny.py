@@ -6,9 +6,8 @@
 __all__ = ['lora_tiny_llama', 'qlora_tiny_llama', 'tiny_llama', 'tiny_llama_hf_config']
 
 # %% ../../nbs/28_tiny.ipynb #88578e18
-from .llama3 import llama3
 from ..modules.transformer import TransformerDecoder
-
+from .llama3 import llama3
 
 def tiny_llama(
     vocab_size: int = 2048,

@@ -7,20 +7,21 @@ __all__ = ['attention_utils', 'MultiHeadAttention', 'FeedForward', 'KVCache', 'L
            'GemmaRMSNorm', 'RMSNorm', 'TiedLinear', 'TransformerDecoder', 'TransformerSelfAttentionLayer']
 
 # %% ../../nbs/19_modules_map.ipynb #61018d31
+from torchtune_lit.modules.position_embeddings import (
+           Llama3ScaledRoPE,
+           RotaryPositionalEmbeddings,
+)
+from torchtune_lit.modules.transformer import (
+           TiedLinear,
+           TransformerDecoder,
+           TransformerSelfAttentionLayer,
+)
+
 from . import attention_utils
 from .attention import MultiHeadAttention
 from .feed_forward import FeedForward
 from .kv_cache import KVCache
-from torchtune_lit.modules.position_embeddings import (
-    Llama3ScaledRoPE,
-    RotaryPositionalEmbeddings,
-)
 from .rms_norm import GemmaRMSNorm, RMSNorm
-from torchtune_lit.modules.transformer import (
-    TiedLinear,
-    TransformerDecoder,
-    TransformerSelfAttentionLayer,
-)
 
 _all_ = [
     "attention_utils",

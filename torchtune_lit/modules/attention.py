@@ -14,9 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .attention_utils import create_block_causal_mask
+
 # %% ../../nbs/14_attention.ipynb #e7413b2d
 from .kv_cache import KVCache
-from .attention_utils import create_block_causal_mask
 
 # %% ../../nbs/14_attention.ipynb #efc4a178
 class MultiHeadAttention(nn.Module):

@@ -147,7 +147,6 @@ import math
 import warnings
 from collections.abc import Sequence
 
-
 def longrope_attention_factor(stretch: float, original_max_seq_len: int) -> float:
     """LongRoPE's default scale of cos and sin for a context stretched `stretch` times:
     sqrt(1 + ln(stretch) / ln(original_max_seq_len)), 1 when it is not stretched."""
@@ -221,6 +220,7 @@ class LongRoPE(RotaryPositionalEmbeddings):
                 f"{self.original_max_seq_len}, so it uses the long factors while the "
                 "earlier positions were rotated with the short ones; transformers "
                 "recomputes the cache here. Run the whole sequence in one call (or "
-                "keep prompt and answer within the original context) for exact results."
+                "keep prompt and answer within the original context) for exact results.",
+                stacklevel=2,
             )
         return self.long_cache

@@ -11,12 +11,11 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-import torch
 from omegaconf import DictConfig
 
 import torchtune_lit.config as config
 import torchtune_lit.data as data
-import torchtune_lit.datasets._builders as builders
+import torchtune_lit.datasets as datasets
 import torchtune_lit.generation as generation
 import torchtune_lit.training as training
 
@@ -47,7 +46,7 @@ def evaluate(cfg: DictConfig) -> dict:
     checkpointer = config.instantiate(cfg.checkpointer)
     model = training.load_model_for_eval(checkpointer, device, dtype)
     tokenizer = config.instantiate(cfg.tokenizer)
-    rows = builders.load_rows(
+    rows = datasets.load_rows(
         cfg.dataset.source,
         cfg.dataset.get("split", "train"),
         data_files=cfg.dataset.data_files,

@@ -8,20 +8,126 @@ __all__ = ['train', 'recipe_main']
 # %% ../../nbs/89_full_dpo_distributed.ipynb #f2834a61
 import sys
 
+import torch
+import torch.distributed as dist
 from omegaconf import DictConfig
 
 import torchtune_lit.config as config
 import torchtune_lit.training as training
+import torchtune_lit.training.preflight as preflight
 
 # %% ../../nbs/89_full_dpo_distributed.ipynb #55a19b6f
 def train(cfg: DictConfig) -> list[dict]:
     "Run the recipe on every rank; rank 0 logs and saves. Returns rank 0's metrics."
-    run = training.setup_sharded(cfg, training.load_sharded_model, preference=True)
-    if run.rank == 0 and run.reference is not None:
+    # 1. join the process group; no tensor parallelism for preference pairs
+    rank, world_size, device, dtype, output_dir = training.setup_process(cfg)
+    mesh = training.device_mesh(device, world_size, cfg.get("tensor_parallel_dim", 1))
+    if mesh is not None:
+        raise ValueError(
+            "tensor_parallel_dim > 1 is supported by full_finetune_distributed; "
+            "drop it for the preference recipes."
+        )
+
+    # 2. this rank's share of the pairs; the model sharded, filled from rank 0's read
+    checkpointer = config.instantiate(cfg.checkpointer)
+    tokenizer = config.instantiate(cfg.tokenizer)
+    loader, val_loader = training.build_preference_loaders(
+        cfg, tokenizer, rank, world_size
+    )
+    inspect = training.preflight_printer(  # the checks see each pair's chosen answer
+        cfg, tokenizer, preflight.ChosenView(loader.dataset), output_dir, world_size
+    )
+    model = training.load_sharded_model(
+        cfg, checkpointer, rank, device, dtype, inspect=inspect
+    )
+    loss_fn = config.instantiate(cfg.loss)
+    reference = None  # a reference-free loss needs none
+    if training.needs_reference_copy(model, loss_fn):  # a second, frozen load
+        reference = training.load_sharded_model(cfg, checkpointer, rank, device, dtype)
+        reference.requires_grad_(False).eval()
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = config.instantiate(cfg.optimizer, trained)
+    accumulation, steps_per_epoch, total_steps, lr_scheduler = (
+        training.training_schedule(cfg, len(loader), optimizer)
+    )
+    if rank == 0 and reference is not None:
         print(
             "The reference: a frozen, sharded copy of the starting weights.", flush=True
         )
-    return training.sharded_loop(run, training.save_final_sharded)
+
+    # 3. resume from the newest sharded step checkpoint if asked; rank 0 logs
+    start = training.ResumePosition()
+    if cfg.get("resume_from_checkpoint", False):
+        start = training.resume_sharded(
+            model, optimizer, lr_scheduler, output_dir, rank
+        )
+    reporter = None
+    if rank == 0:
+        reporter = training.StepReporter(
+            output_dir, total_steps, start.step, "train",
+            {"loss": ".4f", "rewards/margin": ".3f"}, cfg.get("progress_bar", True),
+            print_steps=True,
+        )  # fmt: skip
+    batches = training.resumable_batches(
+        loader, device, cfg.epochs, steps_per_epoch, accumulation, start
+    )
+
+    # 4. the loop, on every rank: this rank's pairs, one step over all ranks' pairs
+    val_every = cfg.get("run_val_every_n_steps", steps_per_epoch)
+    step = start.step
+    for epoch, i, micro in batches:
+        step, loss_sum, pairs, chosen, rejected = step + 1, 0.0, 0, [], []
+        for batch in micro:
+            # policy and reference log-probs of both answers -> one loss per pair
+            losses, chosen_r, rejected_r = training.pair_losses(
+                model, loss_fn, batch, reference, world_size
+            )
+            losses.sum().backward()  # summed over pairs: divided once, after the last
+            loss_sum, pairs = loss_sum + losses.sum().item(), pairs + len(losses)
+            chosen.append(chosen_r.detach())
+            rejected.append(rejected_r.detach())
+        # losses and pairs summed over ranks; FSDP averaged the gradients
+        loss, pairs = training.step_loss(loss_sum, pairs, step, device, world_size)
+        training.scale_grads(model, world_size / pairs)
+        metrics = {"step": step, "loss": loss}
+        if cfg.get("clip_grad_norm"):
+            metrics["grad_norm"] = training.clip_gradients(trained, cfg.clip_grad_norm)
+        # the rate this step uses (a tensor in torchao's optimizers)
+        metrics["lr"] = float(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if lr_scheduler is not None:
+            lr_scheduler.step()
+        metrics["pairs"] = pairs
+        # the rewards, their margin and the reward accuracy over every rank's pairs
+        metrics.update(
+            training.pair_metrics(torch.cat(chosen), torch.cat(rejected), world_size)
+        )
+
+        # 5. held-out pairs over every rank's share; rank 0 logs; a sharded checkpoint
+        if val_loader is not None and step % val_every == 0:
+            held_out = training.preference_validation(
+                model, loss_fn, val_loader, device, cfg.get("max_validation_batches"),
+                reference, world_size,
+            )  # fmt: skip
+            metrics.update(held_out)
+        if reporter is not None:
+            reporter.report(epoch, metrics)
+        save_every = cfg.get("save_every_n_steps")
+        if save_every and step % save_every == 0 and step < total_steps:
+            training.save_sharded_step(
+                model, optimizer, lr_scheduler, output_dir, epoch, i + 1, step, rank,
+                cfg.get("keep_last_n_checkpoints", 2),
+            )  # fmt: skip
+
+    # 6. the end: rank 0's summary; gather (every rank), rank 0 writes the weights
+    history = reporter.close() if reporter is not None else []
+    if history:  # rank 0
+        print(training.preference_summary(loss_fn, history), flush=True)
+    training.save_final_sharded(model, checkpointer, cfg.epochs - 1, rank)
+    dist.barrier()  # no rank leaves while rank 0 is still writing
+    dist.destroy_process_group()
+    return history
 
 
 @config.parse

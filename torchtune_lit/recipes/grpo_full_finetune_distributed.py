@@ -7,22 +7,165 @@ __all__ = ['train', 'recipe_main']
 
 # %% ../../nbs/8b_grpo_full_finetune_distributed.ipynb #a0e891a0
 import sys
+import time
 
+import torch.distributed as dist
 from omegaconf import DictConfig
 
 import torchtune_lit.config as config
+import torchtune_lit.modules.peft as peft
+import torchtune_lit.rlhf as rlhf
+import torchtune_lit.rlhf.rewards as rewards
 import torchtune_lit.training as training
 
 # %% ../../nbs/8b_grpo_full_finetune_distributed.ipynb #14c0e906
 def train(cfg: DictConfig) -> list[dict]:
     "Run the recipe on every rank; rank 0 logs and saves. Returns rank 0's metrics."
+    # 1. settings that would train nothing; join the process group; the policy sharded
+    # (LoRA through the builder) and its reference
+    training.check_grpo_settings(cfg)
+    rank, world_size, device, dtype, output_dir = training.setup_process(cfg)
+    checkpointer = config.instantiate(cfg.checkpointer)
+    tokenizer = config.instantiate(cfg.tokenizer)
+    load = training.load_sharded_model
     if training.uses_lora(cfg):
-        run = training.setup_grpo(
-            cfg, training.load_sharded_lora_model, distributed=True
+        load = training.load_sharded_lora_model
+    model = load(cfg, checkpointer, rank, device, dtype)
+    reference = None  # with adapters: the policy with its adapters off
+    if not peft.get_adapter_params(model):
+        reference = load(cfg, checkpointer, rank, device, dtype)  # sharded too
+        reference.requires_grad_(False).eval()
+
+    # 2. this rank's share of the prompts, optimizer and schedule, loss and rewards
+    dataset = config.instantiate(cfg.dataset, tokenizer)
+    loader = training.sampled_loader(
+        dataset, cfg, rewards.padded_collate_prompts, rank, world_size
+    )
+    val_loader = training.build_validation_loader(
+        cfg, tokenizer, rank, world_size, rewards.padded_collate_prompts
+    )
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = config.instantiate(cfg.optimizer, trained)
+    accumulation, steps_per_epoch, total_steps, lr_scheduler = (
+        training.training_schedule(cfg, len(loader), optimizer)
+    )
+    loss_fn = config.instantiate(cfg.loss)
+    reward_functions = [config.instantiate(r) for r in cfg.reward_functions]
+
+    # 3. resume from the newest sharded step checkpoint if asked; held-out accuracy
+    # before the first step; rank 0 logs
+    start = training.ResumePosition()
+    if cfg.get("resume_from_checkpoint", False):
+        start = training.resume_sharded(
+            model, optimizer, lr_scheduler, output_dir, rank
         )
-    else:
-        run = training.setup_grpo(cfg, training.load_sharded_model, distributed=True)
-    return training.grpo_loop(run)
+    val_every = cfg.get("run_val_every_n_steps")
+    start_validation = None
+    if val_loader is not None:
+        start_validation = training.grpo_validation(
+            model, tokenizer, reward_functions, val_loader, cfg.max_new_tokens,
+            world_size, stop_early=False, device=device,
+        )  # fmt: skip
+    reporter = None
+    if rank == 0:
+        if start_validation is not None:
+            print(
+                f"validation before step {start.step + 1}: accuracy "
+                f"{start_validation['val_accuracy']:.1%}, mean reward "
+                f"{start_validation['val_reward']:.3f}",
+                flush=True,
+            )
+        reporter = training.StepReporter(
+            output_dir, total_steps, start.step, "grpo",
+            {"reward": ".3f", "kl": ".4f"}, cfg.get("progress_bar", True),
+        )  # fmt: skip
+    batches = training.resumable_batches(
+        loader, device, cfg.epochs, steps_per_epoch, accumulation, start
+    )
+    ppo_epochs = cfg.get("ppo_epochs", 1)
+
+    # 4. the loop, on every rank: sample and score this rank's micro-batches, then
+    # `ppo_epochs` passes, each one optimizer step over all ranks' answers
+    step = start.step
+    for epoch, i, micro in batches:
+        step, started = step + 1, time.perf_counter()
+        samples = []  # all from the policy before the update
+        for k, batch in enumerate(micro):
+            # fixed by (seed, step, rank, micro-batch); sharded forwards are
+            # collectives, so every rank decodes max_new_tokens (no early stop)
+            generator = training.rollout_generator(cfg.seed, device, step, rank, k)
+            sample = training.rollout(
+                model, reference, tokenizer, reward_functions, batch, cfg.group_size,
+                cfg.max_new_tokens, generator, cfg.get("temperature", 1.0),
+                cfg.get("top_k"), stop_early=False, keep_old_logps=ppo_epochs > 1,
+            )  # fmt: skip
+            samples.append(sample)
+        sums = {}
+        for sample in samples:
+            for key, value in training.rollout_sums(sample).items():
+                sums[key] = sums.get(key, 0.0) + value
+        for ppo_epoch in range(ppo_epochs):
+            loss_sum, answers = 0.0, 0
+            stats_sums = {"kl": 0.0, "ratio": 0.0, "clipfrac": 0.0}
+            for sample in samples:
+                logps = rlhf.completion_log_probs(model, sample["rollout"].tokens)
+                old = sample["old_logps"]  # None: on-policy, the policy's own
+                old = logps.detach() if old is None else old
+                losses, stats = loss_fn(
+                    logps, old, sample["ref_logps"], sample["advantages"],
+                    sample["rollout"].mask,
+                )  # fmt: skip
+                losses.sum().backward()  # each answer's loss is a mean over its tokens
+                loss_sum += losses.sum().item()
+                answers += len(losses)
+                for key in stats_sums:
+                    stats_sums[key] += stats[key].sum().item()
+            # losses and answers summed over ranks; FSDP averaged the gradients
+            loss, answers = training.step_loss(
+                loss_sum, answers, step, device, world_size
+            )
+            training.scale_grads(model, world_size / answers)
+            metrics = {"step": step, "loss": loss}
+            if cfg.get("clip_grad_norm"):
+                metrics["grad_norm"] = training.clip_gradients(
+                    trained, cfg.clip_grad_norm
+                )
+            metrics["lr"] = float(optimizer.param_groups[0]["lr"])
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if lr_scheduler is not None and ppo_epoch == ppo_epochs - 1:
+                lr_scheduler.step()  # once per sampling step
+        sums.update(stats_sums)  # the last pass's
+        sums = training.sum_over_ranks(sums, device, world_size)
+        metrics.update(training.per_answer_means(sums))
+        metrics["seconds"] = time.perf_counter() - started
+
+        # 5. held-out accuracy over every rank's share; rank 0 logs; a sharded step
+        # checkpoint (every rank writes its shards)
+        if val_loader is not None and val_every and step % val_every == 0:
+            val = training.grpo_validation(
+                model, tokenizer, reward_functions, val_loader, cfg.max_new_tokens,
+                world_size, stop_early=False, device=device,
+            )  # fmt: skip
+            metrics.update(val)
+        if reporter is not None:
+            reporter.report(epoch, metrics)
+        save_every = cfg.get("save_every_n_steps")
+        if save_every and step % save_every == 0 and step < total_steps:
+            training.save_sharded_step(
+                model, optimizer, lr_scheduler, output_dir, epoch, i + 1, step, rank,
+                cfg.get("keep_last_n_checkpoints", 2),
+            )  # fmt: skip
+
+    # 6. the end: the summary line; gather the full weights (every rank), rank 0
+    # writes them (LoRA: merged model + adapter)
+    history = reporter.close() if reporter is not None else []
+    if history:
+        print(training.grpo_summary(history, start_validation), flush=True)
+    training.save_final_sharded(model, checkpointer, cfg.epochs - 1, rank)
+    dist.barrier()  # no rank leaves while rank 0 is still writing
+    dist.destroy_process_group()
+    return history
 
 
 @config.parse

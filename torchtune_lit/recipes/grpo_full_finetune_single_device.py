@@ -7,18 +7,151 @@ __all__ = ['train', 'recipe_main']
 
 # %% ../../nbs/8a_grpo_full_finetune_single_device.ipynb #bcc1c246
 import sys
+import time
+from copy import deepcopy
 
 from omegaconf import DictConfig
 
 import torchtune_lit.config as config
+import torchtune_lit.modules.peft as peft
+import torchtune_lit.rlhf as rlhf
+import torchtune_lit.rlhf.rewards as rewards
 import torchtune_lit.training as training
 
 # %% ../../nbs/8a_grpo_full_finetune_single_device.ipynb #8b3a1d83
 def train(cfg: DictConfig) -> list[dict]:
     "Run the recipe described by `cfg`; return the metrics of every step."
+    # 1. settings that would train nothing; device, dtype, seed, the run folder; the
+    # policy (LoRA through the builder) and its reference
+    training.check_grpo_settings(cfg)
+    device, dtype, output_dir = training.setup_run(cfg)
+    checkpointer = config.instantiate(cfg.checkpointer)
+    tokenizer = config.instantiate(cfg.tokenizer)
     load = training.load_lora_model if training.uses_lora(cfg) else training.load_model
-    run = training.setup_grpo(cfg, load)
-    return training.grpo_loop(run)
+    model = load(cfg, checkpointer, device, dtype)
+    adapters = bool(peft.get_adapter_params(model))
+    reference = None  # with adapters: the policy with its adapters off
+    if not adapters:
+        reference = deepcopy(model)
+        reference.requires_grad_(False).eval()
+
+    # 2. prompts with gold answers, optimizer and schedule, loss and reward functions
+    dataset = config.instantiate(cfg.dataset, tokenizer)
+    loader = training.sampled_loader(dataset, cfg, rewards.padded_collate_prompts)
+    val_loader = training.build_validation_loader(
+        cfg, tokenizer, collate_fn=rewards.padded_collate_prompts
+    )
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = config.instantiate(cfg.optimizer, trained)
+    accumulation, steps_per_epoch, total_steps, lr_scheduler = (
+        training.training_schedule(cfg, len(loader), optimizer)
+    )
+    loss_fn = config.instantiate(cfg.loss)
+    reward_functions = [config.instantiate(r) for r in cfg.reward_functions]
+
+    # 3. resume from the newest step checkpoint if asked; held-out accuracy before the
+    # first step; the log and progress bar
+    resumed = training.resume_state(cfg, model, adapters)
+    start = training.resume_position(
+        resumed, optimizer, lr_scheduler, output_dir / "log.jsonl"
+    )
+    val_every = cfg.get("run_val_every_n_steps")
+    start_validation = None
+    if val_loader is not None:
+        start_validation = training.grpo_validation(
+            model, tokenizer, reward_functions, val_loader, cfg.max_new_tokens
+        )
+        print(
+            f"validation before step {start.step + 1}: accuracy "
+            f"{start_validation['val_accuracy']:.1%}, mean reward "
+            f"{start_validation['val_reward']:.3f}",
+            flush=True,
+        )
+    reporter = training.StepReporter(
+        output_dir, total_steps, start.step, "grpo", {"reward": ".3f", "kl": ".4f"},
+        cfg.get("progress_bar", True),
+    )  # fmt: skip
+    batches = training.resumable_batches(
+        loader, device, cfg.epochs, steps_per_epoch, accumulation, start
+    )
+    ppo_epochs = cfg.get("ppo_epochs", 1)
+
+    # 4. the loop: sample and score every micro-batch, then `ppo_epochs` passes, each
+    # one optimizer step over the same samples
+    step = start.step
+    for epoch, i, micro in batches:
+        step, started = step + 1, time.perf_counter()
+        samples = []  # all from the policy before the update
+        for k, batch in enumerate(micro):
+            # the samples are fixed by (seed, step, rank, micro-batch): one rank, 0
+            generator = training.rollout_generator(cfg.seed, device, step, 0, k)
+            sample = training.rollout(
+                model, reference, tokenizer, reward_functions, batch, cfg.group_size,
+                cfg.max_new_tokens, generator, cfg.get("temperature", 1.0),
+                cfg.get("top_k"), keep_old_logps=ppo_epochs > 1,
+            )  # fmt: skip
+            samples.append(sample)
+        sums = {}
+        for sample in samples:
+            for key, value in training.rollout_sums(sample).items():
+                sums[key] = sums.get(key, 0.0) + value
+        for ppo_epoch in range(ppo_epochs):
+            loss_sum, answers = 0.0, 0
+            stats_sums = {"kl": 0.0, "ratio": 0.0, "clipfrac": 0.0}
+            for sample in samples:
+                logps = rlhf.completion_log_probs(model, sample["rollout"].tokens)
+                old = sample["old_logps"]  # None: on-policy, the policy's own
+                old = logps.detach() if old is None else old
+                losses, stats = loss_fn(
+                    logps, old, sample["ref_logps"], sample["advantages"],
+                    sample["rollout"].mask,
+                )  # fmt: skip
+                losses.sum().backward()  # each answer's loss is a mean over its tokens
+                loss_sum += losses.sum().item()
+                answers += len(losses)
+                for key in stats_sums:
+                    stats_sums[key] += stats[key].sum().item()
+            loss, answers = training.step_loss(loss_sum, answers, step)
+            training.scale_grads(model, 1 / answers)  # the mean over the answers
+            metrics = {"step": step, "loss": loss}
+            if cfg.get("clip_grad_norm"):
+                metrics["grad_norm"] = training.clip_gradients(
+                    trained, cfg.clip_grad_norm
+                )
+            metrics["lr"] = float(optimizer.param_groups[0]["lr"])
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if lr_scheduler is not None and ppo_epoch == ppo_epochs - 1:
+                lr_scheduler.step()  # once per sampling step
+        sums.update(stats_sums)  # the last pass's
+        metrics.update(training.per_answer_means(sums))
+        metrics["seconds"] = time.perf_counter() - started
+
+        # 5. held-out accuracy every so many steps; log; a step checkpoint
+        if val_loader is not None and val_every and step % val_every == 0:
+            metrics.update(
+                training.grpo_validation(
+                    model, tokenizer, reward_functions, val_loader, cfg.max_new_tokens
+                )
+            )
+        reporter.report(epoch, metrics)
+        save_every = cfg.get("save_every_n_steps")
+        if save_every and step % save_every == 0 and step < total_steps:
+            training.save_step_checkpoint(
+                checkpointer, training.step_weights(model), optimizer, lr_scheduler,
+                epoch, i + 1, step, output_dir, cfg.get("keep_last_n_checkpoints", 2),
+            )  # fmt: skip
+
+    # 6. the end: the summary line; the policy in Hugging Face format (LoRA: merged
+    # model + adapter)
+    history = reporter.close()
+    if history:
+        print(training.grpo_summary(history, start_validation), flush=True)
+    folder = checkpointer.save_checkpoint(
+        training.epoch_weights(model), epoch=cfg.epochs - 1
+    )
+    print(f"Saved the policy in Hugging Face format to {folder}", flush=True)
+    return history
 
 
 @config.parse

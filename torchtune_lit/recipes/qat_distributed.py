@@ -8,36 +8,123 @@ __all__ = ['train', 'recipe_main']
 # %% ../../nbs/8f_qat_distributed.ipynb #76b6c604
 import functools
 import sys
+import time
 
+import torch.distributed as dist
 from omegaconf import DictConfig
 
 import torchtune_lit.config as config
 import torchtune_lit.training as training
 
 # %% ../../nbs/8f_qat_distributed.ipynb #8961b3f4
-def _quantizer(cfg: DictConfig, recipe: str):
-    "The config's QAT quantizer, or a clear error naming the key."
-    if not cfg.get("quantizer"):
-        raise ValueError(
-            f"{recipe} needs a quantizer, e.g. quantizer: {{_component_: "
-            "torchtune_lit.training.quantization.Int8DynActInt4WeightQATQuantizer}."
-        )
-    return config.instantiate(cfg.quantizer)
-
-
 def train(cfg: DictConfig) -> list[dict]:
     """Run the sharded full fine-tune with the model prepared for QAT, on every rank;
     rank 0 logs and saves. Returns rank 0's metrics."""
+    # 1. the quantizer (refused without one, or with tensor parallelism); join the group
     if cfg.get("tensor_parallel_dim", 1) > 1:
         raise ValueError(
             "qat_distributed does not combine fake quantization with tensor "
             "parallelism (torchao's FakeQuantizedLinear takes no DTensor plan); drop "
             "tensor_parallel_dim, or train without QAT in full_finetune_distributed."
         )
-    prepare = _quantizer(cfg, "qat_distributed").prepare
-    load = functools.partial(training.load_sharded_model, prepare=prepare)
-    run = training.setup_sharded(cfg, load)
-    return training.sharded_loop(run, training.save_final_sharded)
+    if not cfg.get("quantizer"):
+        raise ValueError(
+            "qat_distributed needs a quantizer, e.g. quantizer: {_component_: "
+            "torchtune_lit.training.quantization.Int8DynActInt4WeightQATQuantizer}."
+        )
+    quantizer = config.instantiate(cfg.quantizer)
+    rank, world_size, device, dtype, output_dir = training.setup_process(cfg)
+    mesh = training.device_mesh(device, world_size, cfg.get("tensor_parallel_dim", 1))
+    # the processes of one tensor-parallel group read the same rows
+    data_rank, data_world = rank, world_size
+    if mesh is not None:
+        data_rank, data_world = mesh["dp"].get_local_rank(), mesh["dp"].size()
+
+    # 2. this rank's share of the data; the model prepared for QAT (before sharding),
+    # sharded, filled from rank 0's read
+    checkpointer = config.instantiate(cfg.checkpointer)
+    tokenizer = config.instantiate(cfg.tokenizer)
+    loader = training.build_dataloader(cfg, tokenizer, data_rank, data_world)
+    val_loader = training.build_validation_loader(cfg, tokenizer, data_rank, data_world)
+    inspect = training.preflight_printer(
+        cfg, tokenizer, loader.dataset, output_dir, world_size
+    )
+    extra = {} if mesh is None else {"mesh": mesh}
+    load = functools.partial(training.load_sharded_model, prepare=quantizer.prepare)
+    model = load(cfg, checkpointer, rank, device, dtype, inspect=inspect, **extra)
+    loss_fn = training.build_loss(cfg, model)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = config.instantiate(cfg.optimizer, trained)
+    accumulation, steps_per_epoch, total_steps, lr_scheduler = (
+        training.training_schedule(cfg, len(loader), optimizer)
+    )
+
+    # 3. resume from the newest sharded step checkpoint if asked; rank 0 logs
+    start = training.ResumePosition()
+    if cfg.get("resume_from_checkpoint", False):
+        start = training.resume_sharded(
+            model, optimizer, lr_scheduler, output_dir, rank
+        )
+    reporter = None
+    if rank == 0:
+        reporter = training.StepReporter(
+            output_dir, total_steps, start.step, "train", {"loss": ".4f", "lr": ".1e"},
+            cfg.get("progress_bar", True), print_steps=True,
+        )  # fmt: skip
+    batches = training.resumable_batches(
+        loader, device, cfg.epochs, steps_per_epoch, accumulation, start
+    )
+
+    # 4. the loop, on every rank: this rank's micro-batches, one step over all ranks
+    val_every = cfg.get("run_val_every_n_steps", steps_per_epoch)
+    step = start.step
+    for epoch, i, micro in batches:
+        step, started, loss_sum, num_tokens = step + 1, time.perf_counter(), 0.0, 0
+        for batch in micro:
+            extra = {k: batch[k] for k in ("mask", "input_pos") if k in batch}
+            logits = model(batch["tokens"], **extra)
+            labels = training.shift_labels(batch["labels"])
+            loss, tokens = training.summed_loss(loss_fn, logits, labels)
+            loss.backward()
+            loss_sum, num_tokens = loss_sum + loss.item(), num_tokens + tokens
+        # losses and trained tokens summed over ranks; FSDP averaged the gradients
+        loss, num_tokens = training.step_loss(
+            loss_sum, num_tokens, step, device, world_size
+        )
+        training.scale_grads(model, world_size / num_tokens)
+        metrics = {"step": step, "loss": loss}
+        if cfg.get("clip_grad_norm"):
+            metrics["grad_norm"] = training.clip_gradients(trained, cfg.clip_grad_norm)
+        # the rate this step uses (a tensor in torchao's optimizers)
+        metrics["lr"] = float(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if lr_scheduler is not None:
+            lr_scheduler.step()
+        metrics["tokens"] = num_tokens
+        metrics["tokens_per_second"] = num_tokens / (time.perf_counter() - started)
+
+        # 5. validation over every rank's share; rank 0 logs; a sharded step checkpoint
+        if val_loader is not None and step % val_every == 0:
+            metrics["val_loss"] = training.validation_loss(
+                model, val_loader, device, cfg.get("max_validation_batches"), loss_fn,
+                world_size,
+            )  # fmt: skip
+        if reporter is not None:
+            reporter.report(epoch, metrics)
+        save_every = cfg.get("save_every_n_steps")
+        if save_every and step % save_every == 0 and step < total_steps:
+            training.save_sharded_step(
+                model, optimizer, lr_scheduler, output_dir, epoch, i + 1, step, rank,
+                cfg.get("keep_last_n_checkpoints", 2),
+            )  # fmt: skip
+
+    # 6. the end: gather the full weights (every rank), rank 0 writes them
+    history = reporter.close() if reporter is not None else []
+    training.save_final_sharded(model, checkpointer, cfg.epochs - 1, rank)
+    dist.barrier()  # no rank leaves while rank 0 is still writing
+    dist.destroy_process_group()
+    return history
 
 # %% ../../nbs/8f_qat_distributed.ipynb #bb11f2ab
 @config.parse

@@ -22,6 +22,7 @@ from torchtune_lit.models.convert_weights import (
     hf_to_tune,
     tune_to_hf,
 )
+
 from ..models.tiny import tiny_llama
 from ..modules.transformer import TransformerDecoder
 

@@ -13,8 +13,8 @@ from typing import Any, Optional, Sequence
 import torch
 from torch.utils.data import Dataset
 
-from ..data._messages import ColumnError, Message
-from ..datasets._builders import load_rows
+from ..data import ColumnError, Message
+from ..datasets import load_rows
 
 # %% ../../nbs/66_rewards.ipynb #ace6ae32
 class PromptAnswerDataset(Dataset):

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['BaseTokenizer', 'HuggingFaceBaseTokenizer', 'SentencePieceBaseTokenizer', 'TikTokenBaseTokenizer', 'ChatMLFormat',
            'GemmaFormat', 'Llama3Format', 'MistralFormat', 'ModelTokenizer', 'Special', 'gemma_tokenizer',
-           'llama3_tokenizer', 'mistral_tokenizer', 'qwen2_5_tokenizer', 'HuggingFaceModelTokenizer',
+           'llama3_tokenizer', 'mistral_tokenizer', 'qwen2_5_tokenizer', 'tiny_tokenizer', 'HuggingFaceModelTokenizer',
            'compile_chat_template']
 
 # %% ../../nbs/47_tokenizers_map.ipynb #756470f5
@@ -26,6 +26,7 @@ from torchtune_lit.tokenizers._chat import (
     llama3_tokenizer,
     mistral_tokenizer,
     qwen2_5_tokenizer,
+    tiny_tokenizer,
 )
 from torchtune_lit.tokenizers._hf_template import (
     HuggingFaceModelTokenizer,
@@ -47,6 +48,7 @@ _all_ = [
     "llama3_tokenizer",
     "mistral_tokenizer",
     "qwen2_5_tokenizer",
+    "tiny_tokenizer",
     "HuggingFaceModelTokenizer",
     "compile_chat_template",
 ]

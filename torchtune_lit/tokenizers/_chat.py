@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from ..data._messages import Message, validate_messages
+from ..data import Message, validate_messages
 
 # %% ../../nbs/42_chat_tokenizers.ipynb #9b497920
 @dataclass(frozen=True)

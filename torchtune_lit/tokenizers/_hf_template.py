@@ -11,7 +11,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from ..data._messages import Message, validate_messages
+from ..data import Message, validate_messages
 from ._base import HuggingFaceBaseTokenizer
 from ._chat import _check_max_seq_len, _truncate
 

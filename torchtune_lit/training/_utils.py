@@ -10,7 +10,7 @@ __all__ = ['DTYPES', 'SLOW_CPU_BF16', 'RUN_COUNTS', 'OPTIONAL_FEATURES', 'cpu_bf
            'latest_step_checkpoint', 'load_recipe_state', 'prune_step_checkpoints', 'resume_state', 'make_recipe_state',
            'restore_training_state', 'ResumePosition', 'resume_position', 'truncate_log', 'resumable_batches',
            'shift_labels', 'summed_cross_entropy', 'build_loss', 'summed_loss', 'forward_loss', 'clip_gradients',
-           'optimizer_step', 'validation_loss']
+           'all_reduce_sum', 'step_loss', 'validation_loss']
 
 # %% ../../nbs/71_training_utils.ipynb #ccfa6c5f
 import functools
@@ -22,8 +22,10 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, NamedTuple, Optional, Union
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.data import DataLoader
 
 # %% ../../nbs/71_training_utils.ipynb #00b377ed
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -273,7 +275,7 @@ def build_dataloader(
     """
     import torchtune_lit.config as config
     import torchtune_lit.data as data
-    from torchtune_lit.datasets._named import build_datasets, shared_setting
+    from torchtune_lit.datasets import build_datasets, shared_setting
 
     dataset = build_datasets(cfg.dataset, tokenizer, config.instantiate)
     # `tunelit run ... --sanity`: overfit a handful of samples
@@ -296,9 +298,10 @@ def build_validation_loader(
     """This replica's share of `validation_dataset`, in order with nothing dropped, or
     None when the config has none; `collate_fn` defaults to the SFT (or packed) one.
     """
+    from torch.utils.data import DataLoader, DistributedSampler
+
     import torchtune_lit.config as config
     import torchtune_lit.data as data
-    from torch.utils.data import DataLoader, DistributedSampler
 
     if not cfg.get("validation_dataset"):
         return None
@@ -657,40 +660,44 @@ def forward_loss(
     return summed_loss(loss_fn, logits, shift_labels(batch["labels"]))
 
 # %% ../../nbs/71_training_utils.ipynb #82a5dbcd
-def clip_gradients(parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+def clip_gradients(parameters: list[nn.Parameter], max_norm: float) -> float:
     """Scale the gradients so their global 2-norm is at most `max_norm`; returns the
-    norm before clipping. Works when the gradients are DTensors on several meshes."""
+    norm before clipping, as a float. Works when the gradients are DTensors on
+    several meshes."""
     grads = [p.grad for p in parameters if p.grad is not None]
     meshes = {g.device_mesh for g in grads if hasattr(g, "device_mesh")}
     if len(meshes) <= 1:
-        return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
-    norms = [g.norm() for g in grads]
-    norms = [n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]
-    total = torch.stack(norms).norm()
-    scale = min(1.0, max_norm / (float(total) + 1e-6))
-    for g in grads:
-        g.mul_(scale)
-    return total
+        total = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+    else:
+        norms = [g.norm() for g in grads]
+        norms = [n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]
+        total = torch.stack(norms).norm()
+        scale = min(1.0, max_norm / (float(total) + 1e-6))
+        for g in grads:
+            g.mul_(scale)
+    # under FSDP the norm is a distributed tensor
+    return float(total.full_tensor() if hasattr(total, "full_tensor") else total)
 
 # %% ../../nbs/71_training_utils.ipynb #b74a06ee
-def optimizer_step(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    step: int,
+def all_reduce_sum(value: float, device: torch.device) -> float:
+    "The sum of `value` over all ranks of the process group."
+    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t.item()
+
+
+def step_loss(
     loss_sum: float,
     num_tokens: int,
-    started: float,
-    clip_grad_norm: Optional[float] = None,
-    lr_scheduler: Any = None,
+    step: int,
+    device: Optional[torch.device] = None,
     world_size: int = 1,
-) -> dict[str, float]:
-    """Scale the accumulated gradients to the token mean, clip, step; the metrics of
-    the step that began at `time.perf_counter()` = `started`.
+) -> tuple[float, int]:
+    """(the step's loss per trained token, its trained tokens), summed over the
+    `world_size` processes; stops a step with no trained token or a loss that is not
+    finite, naming the step.
     """
     if world_size > 1:
-        from torchtune_lit.training._distributed import all_reduce_sum
-
-        device = next(model.parameters()).device
         loss_sum = all_reduce_sum(loss_sum, device)
         num_tokens = int(all_reduce_sum(num_tokens, device))
     if num_tokens == 0:
@@ -699,25 +706,7 @@ def optimizer_step(
             "check the dataset's masking (train_on_input) and max_seq_len."
         )
     check_loss_is_finite(loss_sum / num_tokens, step)
-    # stepped in backward (OptimizerInBackward): the gradients were means, and are gone
-    if not getattr(optimizer, "steps_in_backward", False):
-        scale_grads(model, world_size / num_tokens)
-    metrics = {"step": step, "loss": loss_sum / num_tokens}
-    if clip_grad_norm:
-        trained = [p for p in model.parameters() if p.requires_grad]
-        norm = clip_gradients(trained, clip_grad_norm)
-        # under FSDP the norm is a distributed tensor
-        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-        metrics["grad_norm"] = float(norm)
-    # the rate this step uses (a tensor in torchao's optimizers)
-    metrics["lr"] = float(optimizer.param_groups[0]["lr"])
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    if lr_scheduler is not None:
-        lr_scheduler.step()
-    metrics["tokens"] = num_tokens
-    metrics["tokens_per_second"] = num_tokens / (time.perf_counter() - started)
-    return metrics
+    return loss_sum / num_tokens, num_tokens
 
 # %% ../../nbs/71_training_utils.ipynb #6de06541
 @torch.no_grad()
@@ -743,8 +732,6 @@ def validation_loss(
         loss_sum, tokens = loss_sum + loss.item(), tokens + n
     model.train(was_training)
     if world_size > 1:
-        from torchtune_lit.training._distributed import all_reduce_sum
-
         loss_sum = all_reduce_sum(loss_sum, device)
         tokens = all_reduce_sum(tokens, device)
     if tokens == 0:

@@ -18,8 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from ..modules.low_precision.nf4 import is_nf4
-from torchtune_lit.models._families import (
+from torchtune_lit.models import (
     MODEL_FAMILIES,
     text_decoder_config,
     text_decoder_weights,
@@ -31,6 +30,8 @@ from torchtune_lit.models.convert_weights import (
     tune_to_peft_adapter_config,
     tune_to_peft_adapter_weights,
 )
+
+from ..modules.low_precision.nf4 import is_nf4
 
 # %% ../../nbs/70_checkpointing.ipynb #1bee2586
 class CheckpointError(ValueError):

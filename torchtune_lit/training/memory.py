@@ -322,7 +322,8 @@ class OffloadActivations:
 
 # %% ../../nbs/76_memory.ipynb #a58f2b3a
 def _check_compiler(backend: str) -> None:
-    import shutil, os
+    import os
+    import shutil
 
     if (
         backend == "inductor"

@@ -18,13 +18,14 @@ import torch
 from omegaconf import DictConfig
 
 import torchtune_lit.config as config
-from ..data._messages import CROSS_ENTROPY_IGNORE_IDX
-from torchtune_lit.datasets._named import (
+from torchtune_lit.datasets import (
     build_datasets,
     dataset_entries,
     shared_setting,
 )
-from ..models._families import MODEL_FAMILIES
+
+from ..data import CROSS_ENTROPY_IGNORE_IDX
+from ..models import MODEL_FAMILIES
 
 # %% ../../nbs/74_preflight.ipynb #00f50cf3
 def _finding(level: str, message: str, **numbers: Any) -> dict[str, Any]:
@@ -389,8 +390,8 @@ def _planned_memory(
     """(the planner's estimate per process, the padded sequence length, whether
     activation checkpointing is on) for `cfg`.
     """
-    from torchtune_lit.training.memory import estimate_training_memory
     from torchtune_lit.training._utils import DTYPES
+    from torchtune_lit.training.memory import estimate_training_memory
 
     seq_len = max_tokens_per_sample
     if shared_setting(cfg.dataset, "packed", False) and cfg.tokenizer.get(

@@ -12,9 +12,9 @@ from typing import Optional
 
 from torch import nn
 
-from .._decoder_builder import build_decoder
 from ...modules.position_embeddings import RotaryPositionalEmbeddings
 from ...modules.transformer import TransformerDecoder
+from .._decoder_builder import build_decoder
 
 # %% ../../../nbs/27_gemma2.ipynb #009e027d
 def gemma2(
@@ -112,7 +112,7 @@ def gemma2_27b() -> TransformerDecoder:
 from ...modules.peft import lora_builder
 
 # the family's tokenizer (chat formats chapter)
-from ...tokenizers._chat import gemma_tokenizer
+from ...tokenizers import gemma_tokenizer
 
 lora_gemma2 = lora_builder(gemma2, "lora_gemma2")
 lora_gemma2_2b = lora_builder(gemma2_2b, "lora_gemma2_2b")

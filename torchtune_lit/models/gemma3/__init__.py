@@ -13,12 +13,13 @@ from typing import Optional
 
 from torch import nn
 
-from .._decoder_builder import build_decoder
 from torchtune_lit.modules.position_embeddings import (
     LinearScaledRoPE,
     RotaryPositionalEmbeddings,
 )
+
 from ...modules.transformer import TransformerDecoder
+from .._decoder_builder import build_decoder
 
 # %% ../../../nbs/27b_gemma3.ipynb #ea092af4
 def gemma3(

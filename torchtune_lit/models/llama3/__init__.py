@@ -9,9 +9,9 @@ __all__ = ['lora_llama3', 'lora_llama3_8b', 'qlora_llama3_8b', 'lora_llama3_70b'
 # %% ../../../nbs/21_llama3.ipynb #2a97cff0
 from typing import Optional
 
-from .._decoder_builder import build_decoder, build_mlp
 from ...modules.position_embeddings import RotaryPositionalEmbeddings
 from ...modules.transformer import TransformerDecoder
+from .._decoder_builder import build_decoder, build_mlp
 
 # %% ../../../nbs/21_llama3.ipynb #f235cb7d
 def scale_hidden_dim_for_mlp(dim: int, multiple_of: int = 256) -> int:
@@ -92,7 +92,7 @@ def llama3_70b() -> TransformerDecoder:
 from ...modules.peft import lora_builder
 
 # the family's tokenizer (chat formats chapter)
-from ...tokenizers._chat import llama3_tokenizer
+from ...tokenizers import llama3_tokenizer
 
 lora_llama3 = lora_builder(llama3, "lora_llama3")
 lora_llama3_8b = lora_builder(llama3_8b, "lora_llama3_8b")

@@ -9,10 +9,10 @@ __all__ = ['lora_llama3_1', 'lora_llama3_1_8b', 'qlora_llama3_1_8b', 'lora_llama
 # %% ../../../nbs/22_llama3_1.ipynb #f4f37a89
 from typing import Optional
 
-from .._decoder_builder import build_decoder
-from ..llama3 import scale_hidden_dim_for_mlp
 from ...modules.position_embeddings import Llama3ScaledRoPE
 from ...modules.transformer import TransformerDecoder
+from .._decoder_builder import build_decoder
+from ..llama3 import scale_hidden_dim_for_mlp
 
 # %% ../../../nbs/22_llama3_1.ipynb #02178119
 def llama3_1(
@@ -102,7 +102,7 @@ def llama3_1_405b() -> TransformerDecoder:
 from ...modules.peft import lora_builder
 
 # the family's tokenizer (chat formats chapter)
-from ...tokenizers._chat import llama3_tokenizer
+from ...tokenizers import llama3_tokenizer
 
 lora_llama3_1 = lora_builder(llama3_1, "lora_llama3_1")
 lora_llama3_1_8b = lora_builder(llama3_1_8b, "lora_llama3_1_8b")

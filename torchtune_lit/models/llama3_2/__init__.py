@@ -9,8 +9,8 @@ __all__ = ['lora_llama3_2', 'lora_llama3_2_1b', 'qlora_llama3_2_1b', 'lora_llama
 # %% ../../../nbs/23_llama3_2.ipynb #62e236c5
 from typing import Optional
 
-from ..llama3_1 import llama3_1
 from ...modules.transformer import TransformerDecoder
+from ..llama3_1 import llama3_1
 
 # %% ../../../nbs/23_llama3_2.ipynb #cb01ebb3
 def llama3_2(
@@ -75,7 +75,7 @@ def llama3_2_3b() -> TransformerDecoder:
 from ...modules.peft import lora_builder
 
 # the family's tokenizer (chat formats chapter)
-from ...tokenizers._chat import llama3_tokenizer
+from ...tokenizers import llama3_tokenizer
 
 lora_llama3_2 = lora_builder(llama3_2, "lora_llama3_2")
 lora_llama3_2_1b = lora_builder(llama3_2_1b, "lora_llama3_2_1b")

@@ -6,12 +6,12 @@
 __all__ = ['lora_llama3_3_70b', 'qlora_llama3_3_70b', 'llama3_3_70b']
 
 # %% ../../../nbs/23b_llama3_3.ipynb #5db8ff32
-from ..llama3_1 import llama3_1_70b
 from ...modules.peft import lora_builder
 from ...modules.transformer import TransformerDecoder
 
 # the family's tokenizer: Llama 3's (chat formats chapter)
-from ...tokenizers._chat import llama3_tokenizer
+from ...tokenizers import llama3_tokenizer
+from ..llama3_1 import llama3_1_70b
 
 # %% ../../../nbs/23b_llama3_3.ipynb #ec2124a5
 def llama3_3_70b() -> TransformerDecoder:

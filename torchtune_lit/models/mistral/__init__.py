@@ -10,9 +10,9 @@ __all__ = ['lora_mistral', 'lora_mistral_7b', 'qlora_mistral_7b', 'lora_mistral_
 # %% ../../../nbs/26_mistral.ipynb #b5313e61
 from typing import Optional
 
-from .._decoder_builder import build_decoder
 from ...modules.position_embeddings import RotaryPositionalEmbeddings
 from ...modules.transformer import TransformerDecoder
+from .._decoder_builder import build_decoder
 
 # %% ../../../nbs/26_mistral.ipynb #117a813c
 def mistral(
@@ -123,7 +123,7 @@ def mistral_small_24b() -> TransformerDecoder:
 from ...modules.peft import lora_builder
 
 # the family's tokenizer (chat formats chapter)
-from ...tokenizers._chat import mistral_tokenizer
+from ...tokenizers import mistral_tokenizer
 
 lora_mistral = lora_builder(mistral, "lora_mistral")
 lora_mistral_7b = lora_builder(mistral_7b, "lora_mistral_7b")

@@ -10,9 +10,9 @@ from typing import Optional
 
 from torch import nn
 
-from .._decoder_builder import build_decoder
 from ...modules.position_embeddings import RotaryPositionalEmbeddings
 from ...modules.transformer import TransformerDecoder
+from .._decoder_builder import build_decoder
 
 # %% ../../../nbs/33_phi3.ipynb #f2d97581
 def phi3(

@@ -7,9 +7,9 @@ __all__ = ['lora_phi4_14b', 'qlora_phi4_14b', 'PHI4_MINI_LONG_FACTOR', 'lora_phi
            'phi4_mini']
 
 # %% ../../../nbs/33b_phi4.ipynb #a4e80bcc
-from ..phi3 import phi3
 from ...modules.peft import lora_builder
 from ...modules.transformer import TransformerDecoder
+from ..phi3 import phi3
 
 # %% ../../../nbs/33b_phi4.ipynb #b259a005
 def phi4_14b() -> TransformerDecoder:

@@ -8,9 +8,9 @@ __all__ = ['lora_qwen2', 'qwen2']
 # %% ../../../nbs/24_qwen2.ipynb #222b85c4
 from typing import Optional
 
-from .._decoder_builder import build_decoder
 from ...modules.position_embeddings import RotaryPositionalEmbeddings
 from ...modules.transformer import TransformerDecoder
+from .._decoder_builder import build_decoder
 
 # %% ../../../nbs/24_qwen2.ipynb #4a551e03
 def qwen2(
@@ -53,6 +53,6 @@ def qwen2(
 from ...modules.peft import lora_builder
 
 # the family's tokenizer (chat formats chapter)
-from ...tokenizers._chat import qwen2_5_tokenizer as qwen2_tokenizer
+from ...tokenizers import qwen2_5_tokenizer as qwen2_tokenizer
 
 lora_qwen2 = lora_builder(qwen2, "lora_qwen2")

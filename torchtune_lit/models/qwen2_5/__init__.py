@@ -8,8 +8,8 @@ __all__ = ['lora_qwen2_5_0_5b', 'qlora_qwen2_5_0_5b', 'lora_qwen2_5_1_5b', 'qlor
            'qwen2_5_0_5b', 'qwen2_5_1_5b', 'qwen2_5_3b', 'qwen2_5_7b', 'qwen2_5_14b']
 
 # %% ../../../nbs/25_qwen2_5.ipynb #a94ae644
-from ..qwen2 import qwen2
 from ...modules.transformer import TransformerDecoder
+from ..qwen2 import qwen2
 
 # %% ../../../nbs/25_qwen2_5.ipynb #16240fb4
 def qwen2_5_0_5b() -> TransformerDecoder:
@@ -83,7 +83,7 @@ def qwen2_5_14b() -> TransformerDecoder:
 from ...modules.peft import lora_builder
 
 # the family's tokenizer (chat formats chapter)
-from ...tokenizers._chat import qwen2_5_tokenizer
+from ...tokenizers import qwen2_5_tokenizer
 
 lora_qwen2_5_0_5b = lora_builder(qwen2_5_0_5b, "lora_qwen2_5_0_5b")
 qlora_qwen2_5_0_5b = lora_builder(

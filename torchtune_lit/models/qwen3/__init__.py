@@ -11,9 +11,9 @@ __all__ = ['lora_qwen3', 'lora_qwen3_0_6b', 'qlora_qwen3_0_6b', 'lora_qwen3_1_7b
 # %% ../../../nbs/32_qwen3.ipynb #07f3a011
 from typing import Optional
 
-from .._decoder_builder import build_decoder
 from ...modules.position_embeddings import RotaryPositionalEmbeddings
 from ...modules.transformer import TransformerDecoder
+from .._decoder_builder import build_decoder
 
 # %% ../../../nbs/32_qwen3.ipynb #3fd81671
 def qwen3(
@@ -103,9 +103,7 @@ def qwen3_32b() -> TransformerDecoder:
 
 # %% ../../../nbs/32_qwen3.ipynb #29c8e792
 from ...modules.peft import lora_builder
-
-from ...tokenizers._chat import ModelTokenizer, qwen2_5_tokenizer
-
+from ...tokenizers import ModelTokenizer, qwen2_5_tokenizer
 
 def qwen3_tokenizer(path: str, max_seq_len: Optional[int] = None) -> ModelTokenizer:
     """Qwen 3: its `tokenizer.json` with ChatML, as Qwen 2.5 (the chat template's

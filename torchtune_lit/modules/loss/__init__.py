@@ -7,15 +7,16 @@ __all__ = ['CEWithChunkedOutputLoss', 'ForwardKLLoss', 'ForwardKLWithChunkedOutp
            'ReverseKLWithChunkedOutputLoss', 'SymmetricKLLoss', 'SymmetricKLWithChunkedOutputLoss']
 
 # %% ../../../nbs/69_loss_map.ipynb #de7a5497
-from .ce_chunked_output_loss import CEWithChunkedOutputLoss
 from torchtune_lit.modules.loss.kd_losses import (
-    ForwardKLLoss,
-    ForwardKLWithChunkedOutputLoss,
-    ReverseKLLoss,
-    ReverseKLWithChunkedOutputLoss,
-    SymmetricKLLoss,
-    SymmetricKLWithChunkedOutputLoss,
+           ForwardKLLoss,
+           ForwardKLWithChunkedOutputLoss,
+           ReverseKLLoss,
+           ReverseKLWithChunkedOutputLoss,
+           SymmetricKLLoss,
+           SymmetricKLWithChunkedOutputLoss,
 )
+
+from .ce_chunked_output_loss import CEWithChunkedOutputLoss
 
 _all_ = [
     "CEWithChunkedOutputLoss",

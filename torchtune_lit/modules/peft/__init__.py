@@ -9,19 +9,20 @@ __all__ = ['AdapterModule', 'apply_lora', 'disable_adapter', 'get_adapter_config
 
 # %% ../../../nbs/59_peft_map.ipynb #0d92472b
 from torchtune_lit.modules.peft._utils import (
-    AdapterModule,
-    apply_lora,
-    disable_adapter,
-    get_adapter_config,
-    get_adapter_params,
-    get_adapter_state_dict,
-    get_lora_module_names,
-    get_merged_lora_ckpt,
-    lora_builder,
-    lora_checkpoint,
-    set_trainable_params,
-    validate_missing_and_unexpected_for_lora,
+           AdapterModule,
+           apply_lora,
+           disable_adapter,
+           get_adapter_config,
+           get_adapter_params,
+           get_adapter_state_dict,
+           get_lora_module_names,
+           get_merged_lora_ckpt,
+           lora_builder,
+           lora_checkpoint,
+           set_trainable_params,
+           validate_missing_and_unexpected_for_lora,
 )
+
 from .dora import DoRALinear
 from .lora import LoRALinear
 

@@ -14,10 +14,11 @@ from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
 
 import torch
 from torch import nn
+
 from ..low_precision.nf4 import FrozenNF4Linear, is_nf4
+from ..transformer import TiedLinear, TransformerDecoder
 from .dora import DoRALinear
 from .lora import LoRALinear
-from ..transformer import TiedLinear, TransformerDecoder
 
 # %% ../../../nbs/54_peft_utils.ipynb #bc73426f
 class AdapterModule(Protocol):

@@ -7,10 +7,9 @@ __all__ = ['DoRALinear']
 
 # %% ../../../nbs/51_dora.ipynb #02238f10
 import torch
-import torch.nn.functional as F
 from torch import nn
-from ..low_precision.nf4 import is_nf4
 
+from ..low_precision.nf4 import is_nf4
 from .lora import LoRALinear
 
 # %% ../../../nbs/51_dora.ipynb #e6b1d577

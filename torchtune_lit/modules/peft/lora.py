@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+
 from ..low_precision.nf4 import linear_nf4, to_nf4
 
 # %% ../../../nbs/50_lora.ipynb #77a3f261

@@ -1,0 +1,165 @@
+"""The package's import rules, checked on the source of every module (no import is executed):
+
+- no import cycle between modules (module-level and function-level imports both count: a cycle hidden inside a
+  function is still two modules that need each other);
+- no module imports another package's private module: `torchtune_lit.data._messages` is the `data` package's own,
+  used by `data` and packages inside it; everyone else imports `torchtune_lit.data`;
+- the lower layers never import the higher ones (`modules` <- `data` <- `tokenizers` <- the rest; nothing in the
+  library imports a recipe).
+"""
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "torchtune_lit"
+
+
+def module_files() -> dict[str, Path]:
+    "Dotted module name -> file, for every module of the package (a package is its __init__)."
+    modules = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name == "_modidx.py":  # nbdev's index of names, not code
+            continue
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        modules[".".join(parts)] = path
+    return modules
+
+
+MODULES = module_files()
+
+
+def _package(module: str) -> str:
+    "The package a module belongs to: itself for a package, its parent for a plain module."
+    return module if MODULES[module].name == "__init__.py" else module.rsplit(".", 1)[0]
+
+
+def _known(name: str) -> str:
+    "The most specific module of the package that `name` (a module or a module's attribute) lives in."
+    while name not in MODULES and "." in name:
+        name = name.rsplit(".", 1)[0]
+    return name if name in MODULES else ""
+
+
+def imported_modules(module: str) -> list[tuple[str, int]]:
+    "(module imported, line) for every import of a torchtune_lit module in `module`'s file, at any depth."
+    found = []
+    for node in ast.walk(ast.parse(MODULES[module].read_text())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the importing module's package upwards
+                anchor = _package(module).split(".")
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            names = [f"{base}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        for name in names:
+            target = _known(name) if name.startswith("torchtune_lit") else ""
+            if target and target != module:
+                found.append((target, node.lineno))
+    return found
+
+
+GRAPH = {module: imported_modules(module) for module in MODULES}
+
+
+def _owner_of_private(module: str) -> str:
+    "For a private module (a `_name` part below the top package), the package that owns it; else ''."
+    parts = module.split(".")
+    for i, part in enumerate(parts[1:], start=1):
+        if part.startswith("_") and part != "__init__":
+            return ".".join(parts[:i])
+    return ""
+
+
+def test_no_module_imports_another_packages_private_module():
+    offences = []
+    for module, imports in GRAPH.items():
+        for target, line in imports:
+            owner = _owner_of_private(target)
+            if owner and not (module == owner or module.startswith(owner + ".")):
+                offences.append(f"{MODULES[module].relative_to(PACKAGE.parent)}:{line} imports {target}")
+    assert not offences, "import the package, not its private module:\n" + "\n".join(sorted(offences))
+
+
+def _cycles() -> list[list[str]]:
+    "The strongly connected components of more than one module (Tarjan's algorithm, iterative)."
+    index, low, on_stack, stack, components, counter = {}, {}, set(), [], [], 0
+    for root in GRAPH:
+        if root in index:
+            continue
+        work = [(root, iter(sorted({t for t, _ in GRAPH[root]})))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        components.append(sorted(component))
+            elif child not in index:
+                index[child] = low[child] = counter
+                counter += 1
+                stack.append(child)
+                on_stack.add(child)
+                work.append((child, iter(sorted({t for t, _ in GRAPH[child]}))))
+            elif child in on_stack:
+                low[node] = min(low[node], index[child])
+    return components
+
+
+def test_no_import_cycle():
+    cycles = _cycles()
+    assert not cycles, "modules that import each other (directly or through others):\n" + "\n".join(
+        " <-> ".join(c) for c in cycles)
+
+
+def test_the_cycle_check_can_fail():
+    "The check above finds a cycle when there is one: two modules of a made-up graph that import each other."
+    saved = dict(GRAPH)
+    try:
+        GRAPH["torchtune_lit.config"] = [*GRAPH["torchtune_lit.config"], ("torchtune_lit._cli.tunelit", 1)]
+        assert any({"torchtune_lit.config", "torchtune_lit._cli.tunelit"} <= set(c) for c in _cycles())
+    finally:
+        GRAPH.clear()
+        GRAPH.update(saved)
+
+
+def test_layers():
+    """The lower layers never import the higher ones: `modules` (the network's pieces) and `data` (messages and
+    collation) import no other part of the library that builds on them, `tokenizers` none but those two, and no
+    library package imports a recipe (recipes sit on top; only the CLI finds them)."""
+    library = ("torchtune_lit.data", "torchtune_lit.datasets", "torchtune_lit.generation", "torchtune_lit.models",
+               "torchtune_lit.rlhf", "torchtune_lit.tokenizers", "torchtune_lit.training", "torchtune_lit.tabular",
+               "torchtune_lit.config")
+    higher = ("torchtune_lit.datasets", "torchtune_lit.generation", "torchtune_lit.models", "torchtune_lit.rlhf",
+              "torchtune_lit.training", "torchtune_lit.recipes", "torchtune_lit.tabular", "torchtune_lit._cli")
+    forbidden = {
+        "torchtune_lit.modules": (*higher, "torchtune_lit.data", "torchtune_lit.tokenizers"),
+        "torchtune_lit.data": (*higher, "torchtune_lit.tokenizers"),
+        "torchtune_lit.tokenizers": higher,
+        **{package: ("torchtune_lit.recipes", "torchtune_lit._cli") for package in library},
+    }
+    offences = []
+    for module, imports in GRAPH.items():
+        for layer, banned in forbidden.items():
+            if module == layer or module.startswith(layer + "."):
+                offences += [f"{module}:{line} imports {target}" for target, line in imports
+                             if any(target == b or target.startswith(b + ".") for b in banned)]
+    assert not offences, "\n".join(offences)
