@@ -220,7 +220,8 @@ class LongRoPE(RotaryPositionalEmbeddings):
                 f"{self.original_max_seq_len}, so it uses the long factors while the "
                 "earlier positions were rotated with the short ones; transformers "
                 "recomputes the cache here. Run the whole sequence in one call (or "
-                "keep prompt and answer within the original context) for exact results.",
+                "keep prompt and answer within the original context) for exact "
+                "results.",
                 stacklevel=2,
             )
         return self.long_cache
