@@ -44,7 +44,7 @@ def train(cfg: DictConfig) -> dict:
 
     # 2. the student and the frozen teacher, sharded; losses, optimizer, schedule
     # a lora_ (or qlora_) model builder: a LoRA student, its base frozen
-    lora = cfg.model._component_.rsplit(".", 1)[-1].startswith(("lora_", "qlora_"))
+    lora = training.uses_lora(cfg)
     load = training.load_sharded_lora_model if lora else training.load_sharded_model
     student = load(cfg, checkpointer, rank, device, dtype)
     teacher = load_sharded_teacher(cfg, rank, device, dtype)

@@ -25,7 +25,7 @@ def train(cfg: DictConfig) -> dict:
     device, dtype, output_dir = training.setup_run(cfg)
     checkpointer = config.instantiate(cfg.checkpointer)
     # a lora_ (or qlora_) model builder: a LoRA student, its base frozen
-    lora = cfg.model._component_.rsplit(".", 1)[-1].startswith(("lora_", "qlora_"))
+    lora = training.uses_lora(cfg)
     load = training.load_lora_model if lora else training.load_model
     student = load(cfg, checkpointer, device, dtype)
     teacher = training.load_teacher(cfg, device, dtype)
