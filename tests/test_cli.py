@@ -65,9 +65,14 @@ def test_copied_recipe_and_config_run_as_user_files(tmp_path):
     assert tunelit("cp", "tiny/lora", str(tmp_path / "my.yaml")).returncode == 0
     assert (tmp_path / "my.yaml").read_bytes() == resolve_config_path("tiny/lora").read_bytes()
     result = tunelit("run", str(tmp_path / "my_recipe.py"), "--config", str(tmp_path / "my.yaml"),
-                     "max_steps_per_epoch=1", "epochs=1", f"output_dir={tmp_path / 'out'}", "progress_bar=false")
+                     "max_steps_per_epoch=1", "epochs=1", f"output_dir={tmp_path / 'out'}", "progress_bar=false",
+                     "+my_note=hello")
     assert result.returncode == 0, result.stderr
+    # a key the copy does not declare in its CONFIG_KEYS is named, since setting it changes nothing
+    assert "my_recipe does not read 'my_note'" in result.stderr
     assert len((tmp_path / "out" / "log.jsonl").read_text().splitlines()) == 1
+    help_ = tunelit("run", str(tmp_path / "my_recipe.py"), "--help")  # read from the copy, not run
+    assert help_.returncode == 0 and any(l.startswith("  batch_size ") for l in help_.stdout.splitlines())
     assert (tmp_path / "out" / "epoch_0" / "adapter" / "adapter_model.safetensors").is_file()
 
 
@@ -160,8 +165,11 @@ def test_torchtune_forms_of_the_commands():
     lines = help_.stdout.splitlines()
     assert lines[0] == "usage: tunelit run lora_finetune_single_device --config CONFIG [key=value ...]"
     model_line = [l for l in lines if l.startswith("  model ")][0]
-    assert model_line.split()[1] == "torchtune_lit.models.tiny.lora_tiny_llama"  # tiny/lora.yaml's component
+    # the recipe's declared default, then tiny/lora.yaml's component
+    assert model_line.split()[1:3] == ["required", "torchtune_lit.models.tiny.lora_tiny_llama"]
     assert [l for l in lines if l.startswith("  batch_size ")][0].endswith("samples per micro-batch (per process)")
+    accumulation = [l for l in lines if l.startswith("  gradient_accumulation_steps ")][0]
+    assert accumulation.split()[1] == "1"  # the default the recipe's code uses when a config omits the key
 
 
 def test_lora_without_torchao_import():

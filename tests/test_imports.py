@@ -5,7 +5,9 @@
 - no module imports another package's private module: `torchtune_lit.data._messages` is the `data` package's own,
   used by `data` and packages inside it; everyone else imports `torchtune_lit.data`;
 - the lower layers never import the higher ones (`modules` <- `data` <- `tokenizers` <- the rest; nothing in the
-  library imports a recipe).
+  library imports a recipe; `training` never imports `rlhf`, `datasets` never imports `models`);
+- imports of the package sit at the top of a module, where a reader sees them (the command line's lazy imports,
+  which keep PyTorch out of the commands that do not need it, are the one exception).
 """
 import ast
 from pathlib import Path
@@ -144,7 +146,8 @@ def test_the_cycle_check_can_fail():
 def test_layers():
     """The lower layers never import the higher ones: `modules` (the network's pieces) and `data` (messages and
     collation) import no other part of the library that builds on them, `tokenizers` none but those two, and no
-    library package imports a recipe (recipes sit on top; only the CLI finds them)."""
+    library package imports a recipe (recipes sit on top; only the CLI finds them); `training` never imports `rlhf`
+    and `datasets` never imports `models`."""
     library = ("torchtune_lit.data", "torchtune_lit.datasets", "torchtune_lit.generation", "torchtune_lit.models",
                "torchtune_lit.rlhf", "torchtune_lit.tokenizers", "torchtune_lit.training", "torchtune_lit.tabular",
                "torchtune_lit.config")
@@ -156,6 +159,10 @@ def test_layers():
         "torchtune_lit.tokenizers": higher,
         **{package: ("torchtune_lit.recipes", "torchtune_lit._cli") for package in library},
     }
+    # the parts of one algorithm live with it: `training` holds what every recipe shares and never imports `rlhf`
+    # (preference and GRPO parts are `rlhf.preference_parts`, `rlhf.grpo_parts`); data never needs a model
+    forbidden["torchtune_lit.training"] = (*forbidden["torchtune_lit.training"], "torchtune_lit.rlhf")
+    forbidden["torchtune_lit.datasets"] = (*forbidden["torchtune_lit.datasets"], "torchtune_lit.models")
     offences = []
     for module, imports in GRAPH.items():
         for layer, banned in forbidden.items():
@@ -163,3 +170,45 @@ def test_layers():
                 offences += [f"{module}:{line} imports {target}" for target, line in imports
                              if any(target == b or target.startswith(b + ".") for b in banned)]
     assert not offences, "\n".join(offences)
+
+
+# Where an import of the package may sit inside a function, and why: the command line imports the training package
+# only in the commands that need it, so `tunelit ls`, `cp`, `cat` and `validate` start without loading PyTorch.
+LAZY_IMPORTS_ALLOWED_IN = ("torchtune_lit._cli",)
+
+
+def function_level_imports(module: str) -> list[tuple[str, int]]:
+    "(module imported, line) for each import of a torchtune_lit module that sits inside a function of `module`."
+    found = []
+    for node in ast.walk(ast.parse(MODULES[module].read_text())):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for inner in ast.walk(node):
+            if isinstance(inner, ast.Import):
+                names = [alias.name for alias in inner.names]
+            elif isinstance(inner, ast.ImportFrom):
+                names = ["." * inner.level + (inner.module or "")]
+            else:
+                continue
+            found += [(name, inner.lineno) for name in names if name.startswith(("torchtune_lit", "."))]
+    return found
+
+
+def test_no_import_hides_inside_a_function():
+    """An import of the package inside a function hides a dependency (often a cycle dodged): imports sit at the top
+    of the module, except the command line's lazy ones."""
+    offences = [f"{MODULES[module].relative_to(PACKAGE.parent)}:{line} imports {name} inside a function"
+                for module in MODULES if not module.startswith(LAZY_IMPORTS_ALLOWED_IN)
+                for name, line in function_level_imports(module)]
+    assert not offences, "\n".join(offences)
+
+
+def test_the_hidden_import_check_can_fail(tmp_path):
+    "The check above finds an import inside a function when there is one."
+    source = "import torch\n\ndef f():\n    from torchtune_lit.training import runs\n    return runs\n"
+    MODULES["torchtune_lit._made_up"] = tmp_path / "made_up.py"
+    try:
+        MODULES["torchtune_lit._made_up"].write_text(source)
+        assert function_level_imports("torchtune_lit._made_up") == [("torchtune_lit.training", 4)]
+    finally:
+        del MODULES["torchtune_lit._made_up"]

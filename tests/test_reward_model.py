@@ -10,7 +10,7 @@ import torch
 import transformers
 
 import torchtune_lit.config as config
-import torchtune_lit.training as training
+import torchtune_lit.rlhf.preference_parts as preference_parts
 
 TUNELIT = str(Path(sys.executable).parent / "tunelit")
 
@@ -26,7 +26,7 @@ def test_reward_model_ranks_held_out_pairs_and_loads_in_transformers(tmp_path):
     assert saved["architectures"] == ["LlamaForSequenceClassification"] and saved["num_labels"] == 1
     model = transformers.AutoModelForSequenceClassification.from_pretrained(folder).eval()
     cfg = config.load_config("tiny/reward_model")
-    loader = training.build_preference_loaders(cfg, config.instantiate(cfg.tokenizer))[1]
+    loader = preference_parts.build_preference_loaders(cfg, config.instantiate(cfg.tokenizer))[1]
     correct = pairs = 0
     with torch.no_grad():
         for ids, _ in loader:

@@ -16,8 +16,8 @@ RECIPES_DIR = PACKAGE_DIR / "recipes"
 CONFIGS_DIR = RECIPES_DIR / "configs"
 
 # %% auto #0
-__all__ = ['PACKAGE_DIR', 'RECIPES_DIR', 'CONFIGS_DIR', 'RECIPE_CONFIG_KEYS', 'Config', 'Recipe', 'get_all_recipes',
-           'RegistryError', 'find_recipe', 'find_config', 'resolve_recipe_path', 'resolve_config_path']
+__all__ = ['PACKAGE_DIR', 'RECIPES_DIR', 'CONFIGS_DIR', 'Config', 'Recipe', 'get_all_recipes', 'RegistryError', 'find_recipe',
+           'find_config', 'resolve_recipe_path', 'resolve_config_path']
 
 # %% ../nbs/02_recipe_registry.ipynb #5e8fbf2b
 @dataclass(frozen=True)
@@ -380,100 +380,3 @@ def resolve_config_path(name_or_path: str) -> Path:
         f"config name nor a file.{_hint(name_or_path, names)} Run 'tunelit ls' to "
         "see the built-in configs."
     )
-
-# %% ../nbs/02_recipe_registry.ipynb #71bdadc4
-RECIPE_CONFIG_KEYS = {
-    # where and how the run happens
-    "output_dir": "folder the run writes to (refused if another run is there)",
-    "seed": "seed of the data order, dropout and sampling",
-    "device": "cpu, cuda or cuda:N",
-    "dtype": "fp32 or bf16",
-    "compile": "torch.compile each layer",
-    "enable_activation_checkpointing": "recompute activations in backward",
-    "enable_activation_offloading": "keep saved activations in CPU memory (GPU only)",
-    "progress_bar": "show a progress bar",
-    "preflight": "check the setup before training (stops on an error)",
-    "allowed_components": "packages of your own this config may build from",
-    "metric_logger": "an extra logger component (TensorBoard, W&B)",
-    # what is trained, on what
-    "model": "the model builder component",
-    "tokenizer": "the tokenizer component",
-    "dataset": "the training dataset component",
-    "validation_dataset": "held-out dataset for val_loss and best/",
-    "checkpointer": "reads the base weights and writes the outputs",
-    "optimizer": "the optimizer component",
-    "lr_scheduler": "the learning-rate schedule component",
-    "loss": "the loss component (DPO recipes)",
-}
-
-# %% ../nbs/02_recipe_registry.ipynb #97e6b3a2
-RECIPE_CONFIG_KEYS |= {
-    # how long, how big
-    "batch_size": "samples per micro-batch (per process)",
-    "epochs": "passes over the training set",
-    "max_steps_per_epoch": "cap on optimizer steps per epoch (null: no cap)",
-    "gradient_accumulation_steps": "micro-batches per optimizer step",
-    "clip_grad_norm": "clip the gradient norm to this value (null: no clipping)",
-    "optimizer_in_bwd": "step each parameter during backward (single-device full/LoRA)",
-    "shuffle": "shuffle the training set each epoch",
-    "reshard_after_forward": "FSDP2: free gathered weights after forward",
-    "tensor_parallel_dim": "processes that split each layer (full distributed recipes)",
-    "sanity_check": "train on only the first N samples (tunelit run --sanity)",
-    # saving, resuming, validating
-    "overwrite": "replace another run's outputs in output_dir",
-    "resume_from_checkpoint": "continue this run from its newest step_N",
-    "save_every_n_steps": "write a step_N checkpoint this often",
-    "keep_last_n_checkpoints": "step_N folders to keep",
-    "keep_last_n_epochs": "epoch_N folders to keep (best/ is always kept)",
-    "early_stopping_patience": "epochs without a better validation loss to stop",
-    "run_val_every_n_steps": "validation loss every N steps (null: per epoch)",
-    "max_validation_batches": "cap on validation batches during training",
-    "evaluate_with": "config the end-of-run summary suggests to evaluate best/",
-}
-
-# %% ../nbs/02_recipe_registry.ipynb #81c8e145
-RECIPE_CONFIG_KEYS |= {
-    # GRPO
-    "reward_functions": "GRPO: reward components, summed per answer",
-    "group_size": "GRPO: answers sampled per prompt",
-    "ppo_epochs": "GRPO, PPO: passes over each batch of samples",
-    # PPO
-    "reward_and_value_model": "PPO: the reward and value models' builder",
-    "reward_checkpoint_dir": "PPO: the reward model's folder",
-    "value_checkpoint_dir": "PPO: where the value model starts (null: reward)",
-    "ppo_batch_size": "PPO: samples per optimizer step",
-    "kl_coeff": "PPO: reward charged per unit of log-ratio to the reference",
-    "gamma": "PPO: discount of future rewards",
-    "lmbda": "PPO: GAE's lambda",
-    "penalise_no_eos": "PPO: score answers cut at max_new_tokens as reward_penalty",
-    "reward_penalty": "PPO: the score of an answer without a stop token",
-    # distillation
-    "teacher_model": "the teacher's model builder",
-    "teacher_checkpointer": "reads the teacher's weights",
-    "kd_loss": "the distillation loss component",
-    "kd_ratio": "weight of the distillation loss against cross-entropy",
-    "kl_eval_dataset": "held-out prompts for the student-teacher KL",
-    "kl_eval_batches": "batches of kl_eval_dataset to measure",
-    # evaluation, generation, quantisation
-    "eval_dataset": "held-out set of the quantize recipe's check",
-    "max_eval_batches": "cap on eval_dataset batches",
-    "system_prompt": "system message of eval_accuracy's prompts",
-    "prompt": "generate: the chat messages or text to continue",
-    "max_new_tokens": "tokens to generate at most",
-    "temperature": "sampling temperature (0: greedy)",
-    "top_k": "sample among the k most likely tokens (null: all)",
-    "top_p": "sample within this probability mass (null: all)",
-    "quantizer": "the torchao quantisation config, or a QAT quantizer, component",
-    "quantizer_name": "name written into the quantised checkpoint",
-    "tasks": "lm-eval task names",
-    "task_definitions": "lm-eval tasks defined in the config",
-    "include_path": "folder of extra lm-eval task files",
-    "limit": "lm-eval: examples per task",
-    "num_fewshot": "lm-eval: few-shot examples",
-    "max_seq_len": "lm-eval: longest sequence",
-    "max_gen_toks": "lm-eval: tokens to generate at most",
-    # tabular pre-training
-    "eval_tables": "tabular: scikit-learn tables to classify in context",
-    "eval_splits": "tabular: random 70/30 splits per table",
-    "eval_ensemble": "tabular: forward passes per split (column tags)",
-}

@@ -5,22 +5,28 @@
 # %% ../nbs/01_config.ipynb #e35bccb0
 from __future__ import annotations
 
+import ast
 import difflib
 import functools
 import importlib
 import inspect
 import sys
+import warnings
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+import torchtune_lit
+
+from ._recipe_registry import RegistryError, resolve_config_path
+
 # %% auto #0
 __all__ = ['DEFAULT_ALLOWED_COMPONENTS', 'NEVER_ALLOWED_COMPONENTS', 'ConfigError', 'trust_all_components',
-           'check_allowed_components', 'get_component', 'instantiate', 'apply_overrides', 'load_config',
-           'parse_cli_args', 'validate', 'parse']
+           'check_allowed_components', 'get_component', 'instantiate', 'apply_overrides', 'read_config_keys',
+           'builtin_config_keys', 'load_config', 'parse_cli_args', 'validate', 'warn_unread_keys', 'parse']
 
 # %% ../nbs/01_config.ipynb #3095bfc7
 class ConfigError(ValueError):
@@ -436,15 +442,66 @@ def _delete_key(cfg: DictConfig, key: str, text: str) -> None:
         )
     del parent[leaf]
 
+# %% ../nbs/01_config.ipynb #34eb4d29
+def read_config_keys(recipe_file: str | Path) -> dict[str, tuple[Any, str]] | None:
+    """The `CONFIG_KEYS` a recipe file declares ({key: (default, meaning)}), read from
+    its source without running it; None when the file declares none.
+    """
+    path = Path(recipe_file)
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, ast.AnnAssign):
+            targets = [node.target]
+        else:
+            continue
+        if not any(isinstance(t, ast.Name) and t.id == "CONFIG_KEYS" for t in targets):
+            continue
+        try:
+            keys = ast.literal_eval(node.value)
+        except ValueError as e:
+            raise ConfigError(
+                f"{path}: CONFIG_KEYS must be written out as a literal dict of "
+                f"key: (default, meaning) ({e})."
+            ) from e
+        bad = [
+            k
+            for k, v in keys.items()
+            if not (isinstance(v, tuple) and len(v) == 2 and isinstance(v[1], str))
+        ]
+        if bad:
+            raise ConfigError(
+                f"{path}: CONFIG_KEYS entries must be (default, meaning) pairs; "
+                f"{bad} are not."
+            )
+        return keys
+    return None
+
+
+@functools.cache
+def builtin_config_keys() -> dict[str, tuple[Any, str]]:
+    """Every key that some built-in recipe declares: what a config is checked against
+    when its recipe is not known."""
+    keys = {}
+    recipes = Path(torchtune_lit.__file__).resolve().parent / "recipes"
+    for path in sorted(recipes.glob("*.py")):
+        keys |= read_config_keys(path) or {}
+    return keys
+
 # %% ../nbs/01_config.ipynb #463feacd
-def load_config(config: str | Path, overrides: Sequence[str] = ()) -> DictConfig:
+def load_config(
+    config: str | Path,
+    overrides: Sequence[str] = (),
+    known_keys: Mapping[str, Any] | None = None,
+) -> DictConfig:
     """Read the YAML file `config` (a path, or a built-in name such as 'tiny/full') and
     apply `overrides`.
 
     Interpolations are checked here, so a broken `${...}` reference fails before the run
     starts. `${asset:NAME}` gives the path of a file shipped with the package (the tiny
-    world's data). Keys are checked against the keys recipes read: an override of an
-    unknown key, or a key in the file one typo away from a known one, is refused.
+    world's data). Keys are checked against `known_keys` (a recipe's `CONFIG_KEYS`;
+    by default those of every built-in recipe): an override of an unknown key, or a key
+    in the file one typo away from a known one, is refused.
     """
     path = _config_path(config)
     try:
@@ -458,10 +515,9 @@ def load_config(config: str | Path, overrides: Sequence[str] = ()) -> DictConfig
             f"{path} must hold a mapping of keys to values at the top "
             f"level, not a {type(cfg).__name__}."
         )
-    from torchtune_lit._recipe_registry import RECIPE_CONFIG_KEYS
-
-    _refuse_misspelt_keys(cfg, RECIPE_CONFIG_KEYS, path)
-    cfg = apply_overrides(cfg, overrides, known_keys=RECIPE_CONFIG_KEYS)
+    known = list(builtin_config_keys() if known_keys is None else known_keys)
+    _refuse_misspelt_keys(cfg, known, path)
+    cfg = apply_overrides(cfg, overrides, known_keys=known)
     _to_container(cfg, str(path))  # resolves every interpolation once, to fail early
     check_allowed_components(cfg.get("allowed_components"))
     return cfg
@@ -483,8 +539,6 @@ def _asset_path(relative: str) -> str:
     """Absolute path of a file shipped in the package's `assets/` folder: the
     `${asset:tiny/corpus.txt}` resolver.
     """
-    import torchtune_lit
-
     assets = Path(torchtune_lit.__file__).resolve().parent / "assets"
     path = (assets / relative).resolve()
     if not path.is_relative_to(assets):
@@ -510,8 +564,6 @@ def _config_path(config: str | Path) -> Path:
     if path.is_file():
         return path
     # a leaf module of plain data
-    from torchtune_lit._recipe_registry import RegistryError, resolve_config_path
-
     try:
         return resolve_config_path(str(config))
     except RegistryError as e:
@@ -601,16 +653,39 @@ def validate(cfg: DictConfig | dict) -> None:
             + "\n".join(f"  - {e}" for e in errors)
         )
 
+# %% ../nbs/01_config.ipynb #64cdb692
+def warn_unread_keys(
+    cfg: DictConfig, declared: Mapping[str, Any], recipe: str | None = None
+) -> list[str]:
+    """Warn about the config's top-level keys that the recipe does not declare: setting
+    them changes nothing, which a user should hear of. Returns them."""
+    unread = [str(k) for k in cfg.keys() if k not in declared]
+    if unread:
+        name = Path(recipe).stem if recipe else "this recipe"
+        warnings.warn(
+            f"{name} does not read {', '.join(map(repr, unread))}: setting "
+            f"{'it' if len(unread) == 1 else 'them'} has no effect. Remove "
+            f"{'it' if len(unread) == 1 else 'them'} from the config, or check "
+            f"the spelling against the keys `tunelit run {name} --help` lists.",
+            stacklevel=3,
+        )
+    return unread
+
 # %% ../nbs/01_config.ipynb #4869f767
 def parse(recipe_main: Callable[[DictConfig], Any]) -> Callable[..., Any]:
     """Decorator for a recipe's `main(cfg)`: build `cfg` from '--config X' and overrides
-    in `argv` (default sys.argv), and `validate` it before the recipe starts.
+    in `argv` (default sys.argv), check its keys against the recipe's `CONFIG_KEYS`, and
+    `validate` it before the recipe starts.
     """
+
+    declared = recipe_main.__globals__.get("CONFIG_KEYS")
 
     @functools.wraps(recipe_main)
     def wrapper(argv: Sequence[str] | None = None) -> Any:
         config, overrides = parse_cli_args(sys.argv[1:] if argv is None else argv)
-        cfg = load_config(config, overrides)
+        cfg = load_config(config, overrides, known_keys=declared)
+        if declared is not None:
+            warn_unread_keys(cfg, declared, recipe_main.__globals__.get("__file__"))
         validate(
             cfg
         )  # every component allowed and its arguments bound, before any work

@@ -18,9 +18,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import torchtune_lit.config as config
 import torchtune_lit.training as training
+from torchtune_lit.training.checkpointing import (
+    CheckpointError,
+    load_model_state_dict,
+)
 
 from .modules import FeedForward, MultiHeadAttention, RMSNorm
+from .training.atomic import atomic_folder
 
 # %% ../nbs/97_tabular.ipynb #66266dc2
 def _int(g: torch.Generator, low: int, high: int) -> int:
@@ -410,48 +416,41 @@ class TableTransformer(nn.Module):
         self.norm = RMSNorm(dim)
         self.output = nn.Linear(dim, max_classes)
 
-# %% ../nbs/97_tabular.ipynb #46ac48ba
-def _row_summaries(
-    model: TableTransformer, batch: dict[str, torch.Tensor]
-) -> torch.Tensor:
-    "The row token of every row after the feature layers: [b, rows, dim]."
-    x = batch["x"]
-    b, r, f = x.shape
-    column_ids = batch.get("column_ids")
-    if column_ids is None:
-        column_ids = torch.arange(1, f + 1, device=x.device).expand(b, f)
-    cells = model.cells(x, batch["categorical"], batch["n_context"], column_ids)
-    row_token = model.cells.column_tags.weight[0].expand(b, r, 1, -1)
-    h = torch.cat([row_token, cells], dim=2).reshape(b * r, f + 1, -1)
-    real = torch.cat(
-        [torch.ones_like(batch["feature_mask"][:, :1]), batch["feature_mask"]], 1
-    )
-    mask = real[:, None, None, :].expand(b, r, 1, f + 1).reshape(b * r, 1, f + 1)
-    for layer in model.layers[: model.num_feature_layers]:
-        h = layer(h, mask)
-    return h.view(b, r, f + 1, -1)[:, :, 0]
+    def _row_summaries(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        "The row token of every row after the feature layers: [b, rows, dim]."
+        x = batch["x"]
+        b, r, f = x.shape
+        column_ids = batch.get("column_ids")
+        if column_ids is None:
+            column_ids = torch.arange(1, f + 1, device=x.device).expand(b, f)
+        cells = self.cells(x, batch["categorical"], batch["n_context"], column_ids)
+        row_token = self.cells.column_tags.weight[0].expand(b, r, 1, -1)
+        h = torch.cat([row_token, cells], dim=2).reshape(b * r, f + 1, -1)
+        real = torch.cat(
+            [torch.ones_like(batch["feature_mask"][:, :1]), batch["feature_mask"]], 1
+        )
+        mask = real[:, None, None, :].expand(b, r, 1, f + 1).reshape(b * r, 1, f + 1)
+        for layer in self.layers[: self.num_feature_layers]:
+            h = layer(h, mask)
+        return h.view(b, r, f + 1, -1)[:, :, 0]
 
-
-def _forward(self: TableTransformer, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Logits [b, rows, max_classes] of a `collate_tables` batch; only the labels of
-    the first n_context rows of each table are read."""
-    x, y, n_context = batch["x"], batch["y"], batch["n_context"]
-    summaries = _row_summaries(self, batch)
-    rows = torch.arange(x.shape[1], device=x.device)
-    is_context = rows[None, :] < n_context[:, None]
-    known = torch.where(is_context, y.clamp(min=0), self.max_classes)
-    h = summaries + self.labels(known)
-    num_keys = int(n_context.max())
-    keys = rows[None, :num_keys] < n_context[:, None]  # [b, num_keys]
-    for layer in self.layers[self.num_feature_layers :]:
-        h = layer(h, keys[:, None, :], num_keys)
-    context_labels = y[:, :num_keys].clamp(min=0)
-    rows_in = self.summary_norm(summaries)
-    vote = self.readout(rows_in, context_labels, keys[:, None, :], n_context)
-    return self.output(self.norm(h) + vote)
-
-
-TableTransformer.forward = _forward
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Logits [b, rows, max_classes] of a `collate_tables` batch; only the labels of
+        the first n_context rows of each table are read."""
+        x, y, n_context = batch["x"], batch["y"], batch["n_context"]
+        summaries = self._row_summaries(batch)
+        rows = torch.arange(x.shape[1], device=x.device)
+        is_context = rows[None, :] < n_context[:, None]
+        known = torch.where(is_context, y.clamp(min=0), self.max_classes)
+        h = summaries + self.labels(known)
+        num_keys = int(n_context.max())
+        keys = rows[None, :num_keys] < n_context[:, None]  # [b, num_keys]
+        for layer in self.layers[self.num_feature_layers :]:
+            h = layer(h, keys[:, None, :], num_keys)
+        context_labels = y[:, :num_keys].clamp(min=0)
+        rows_in = self.summary_norm(summaries)
+        vote = self.readout(rows_in, context_labels, keys[:, None, :], n_context)
+        return self.output(self.norm(h) + vote)
 
 # %% ../nbs/97_tabular.ipynb #65fbfcbf
 def table_transformer(
@@ -702,31 +701,16 @@ def save_table_model(
     """Write model.safetensors and config.json (the builder's `_component_` and
     arguments), and recipe_state.pt when given, atomically into `folder`."""
     import json
-    import os
-    import shutil
 
     from safetensors.torch import save_file
 
-    from torchtune_lit.training.checkpointing import (
-        _recover_interrupted_save,
-        _replace_folder,
-    )
-
     final = Path(folder)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    _recover_interrupted_save(final)
-    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
-    tmp.mkdir()
-    try:
+    with atomic_folder(final) as tmp:
         tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
         save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(model_config, indent=2) + "\n")
         if recipe_state is not None:
             torch.save(recipe_state, tmp / "recipe_state.pt")
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    _replace_folder(tmp, final)
     return final
 
 # %% ../nbs/97_tabular.ipynb #f800000a
@@ -735,12 +719,6 @@ def load_table_model(folder: Union[str, Path]) -> TableTransformer:
     import json
 
     from safetensors.torch import load_file
-
-    import torchtune_lit.config as config
-    from torchtune_lit.training.checkpointing import (
-        CheckpointError,
-        load_model_state_dict,
-    )
 
     folder = Path(folder)
     model_config = json.loads((folder / "config.json").read_text())

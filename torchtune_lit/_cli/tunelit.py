@@ -14,7 +14,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -119,7 +119,9 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     """Print the preflight report of a fine-tuning config (and save it in its
     output_dir).
     """
-    from torchtune_lit.training import preflight
+    from torchtune_lit.training import (
+        preflight,  # loads PyTorch: only this command needs it
+    )
 
     cfg = load_cli_config(args)
     _config.validate(cfg)
@@ -204,34 +206,42 @@ def sanity_verdict(log_path: Path) -> tuple[bool, str]:
     return ok, verdict
 
 # %% ../../nbs/03_cli.ipynb #9785d8ac
-def recipe_help(name: str) -> str:
-    "The keys a built-in recipe's configs set, with the first config's values."
-    from torchtune_lit._recipe_registry import RECIPE_CONFIG_KEYS
+def _shown(value: Any, width: int) -> str:
+    "A config value in one column: a component by its path, long values cut."
+    if OmegaConf.is_dict(value) or isinstance(value, dict):
+        value = value.get("_component_", "{...}")
+    text = str(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
 
+
+def recipe_help(name: str) -> str:
+    """The keys a recipe declares in its `CONFIG_KEYS`, each with its default, the value
+    of the recipe's first built-in config and its meaning; for a built-in recipe or a
+    recipe file of one's own (read without running it)."""
+    path = resolve_recipe_path(name)  # raises with the closest names
     recipe = find_recipe(name)
-    if recipe is None:
-        resolve_recipe_path(name)  # raises with the closest names
-        return f"{name} is a recipe file of your own: read its config keys in it."
-    configs = [OmegaConf.load(c.path) for c in recipe.configs]
-    keys = list(dict.fromkeys(k for cfg in configs for k in cfg))
+    declared = _config.read_config_keys(path)
+    if declared is None:
+        return f"{path} declares no CONFIG_KEYS: the keys it reads are in its code."
+    configs = recipe.configs if recipe is not None else []
+    first = OmegaConf.load(configs[0].path) if configs else OmegaConf.create()
     lines = [
-        f"usage: tunelit run {recipe.name} --config CONFIG [key=value ...]",
-        f"configs: {', '.join(c.name for c in recipe.configs) or '(none built in)'}",
-        f"keys (values from {recipe.configs[0].name}):" if recipe.configs else "keys:",
+        f"usage: tunelit run {recipe.name if recipe else name} --config CONFIG "
+        "[key=value ...]",
+        f"configs: {', '.join(c.name for c in configs) or '(none built in)'}",
+        f"  {'key':<33}{'default':<12}{'in ' + configs[0].name if configs else '':<46}"
+        "meaning",
     ]
-    for key in keys:
-        value = configs[0].get(key, "-") if configs else "-"
-        if OmegaConf.is_dict(value) or isinstance(value, dict):
-            value = value.get("_component_", "{...}")
-        shown = str(value) if len(str(value)) <= 44 else str(value)[:41] + "..."
-        lines.append(f"  {key:<32}{shown:<46}{RECIPE_CONFIG_KEYS.get(key, '')}")
+    for key, (default, meaning) in declared.items():
+        value = _shown(first.get(key, "-"), 44) if configs else ""
+        lines.append(f"  {key:<33}{_shown(default, 10):<12}{value:<46}{meaning}")
     return "\n".join(lines)
 
 # %% ../../nbs/03_cli.ipynb #4671f4f8
 def interrupted_message(recipe_args: list[str]) -> str:
     """What Ctrl-C leaves behind: the run's newest checkpoint and how to continue, in
     one line."""
-    from torchtune_lit.training import latest_step_checkpoint
+    from torchtune_lit.training import latest_step_checkpoint  # PyTorch, on Ctrl-C only
 
     config, overrides = _config.parse_cli_args(recipe_args)
     output_dir = Path(_config.load_config(config, overrides).get("output_dir") or ".")
@@ -456,17 +466,17 @@ def _runs_module():
     which the package's `__init__` would import first (seconds, for a PNG).
     """
     import importlib.util
+    import types
 
     if "torchtune_lit.training" in sys.modules:
         return importlib.import_module("torchtune_lit.training.runs")
-    package = Path(importlib.util.find_spec("torchtune_lit").origin).parent
-    spec = importlib.util.spec_from_file_location(
-        "_tunelit_runs", package / "training" / "runs.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    folder = Path(importlib.util.find_spec("torchtune_lit").origin).parent / "training"
+    # a stand-in for the training package, without its __init__: `runs` and the one
+    # module it imports (`.atomic`, standard library only) load from the same folder
+    package = types.ModuleType("_tunelit_training")
+    package.__path__ = [str(folder)]
+    sys.modules[package.__name__] = package
+    return importlib.import_module("_tunelit_training.runs")
 
 
 def cmd_plot(args: argparse.Namespace) -> int:

@@ -25,6 +25,8 @@ from torchtune_lit.data import (
     ShareGPTToMessages,
 )
 
+from ._packed import PackedDataset
+
 # %% ../../nbs/43_datasets.ipynb #2656f961
 def _local_files(data_files: Any) -> list[Path]:
     "The local paths among a `data_files` value (a path, a list, or {split: paths})."
@@ -196,8 +198,6 @@ def _maybe_pack(ds: Dataset, tokenizer: Any, packed: bool) -> Dataset:
             "packed=True needs the tokenizer's max_seq_len (the length "
             "of a pack); set tokenizer.max_seq_len."
         )
-    from torchtune_lit.datasets._packed import PackedDataset
-
     return PackedDataset(ds, max_seq_len=tokenizer.max_seq_len)
 
 

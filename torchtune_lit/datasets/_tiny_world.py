@@ -439,10 +439,11 @@ def _write_jsonl(rows: list, path: Path) -> None:
     path.write_text(text, encoding="utf-8")
 
 
-def build_tiny_world(out_dir: Union[str, Path], seed: int = 0) -> list[Path]:
-    """Write the tiny world's data, tokenizer and base config into `out_dir`; return the
-    files written."""
-    from torchtune_lit.models.tiny import tiny_llama_hf_config
+def build_tiny_world(
+    out_dir: Union[str, Path], base_config: dict, seed: int = 0
+) -> list[Path]:
+    """Write the tiny world's data, tokenizer and the base model's `base_config` (its
+    Hugging Face config.json) into `out_dir`; return the files written."""
 
     out = Path(out_dir)
     (out / "base").mkdir(parents=True, exist_ok=True)
@@ -465,7 +466,7 @@ def build_tiny_world(out_dir: Union[str, Path], seed: int = 0) -> list[Path]:
     paragraphs = [p.strip() for p in corpus.split("\n\n") if p.strip()]
     texts = paragraphs + [r["prompt"] for r in pretraining]
     _write_jsonl([{"text": t} for t in texts], out / "pretrain.jsonl")
-    config = json.dumps(tiny_llama_hf_config(), indent=2, sort_keys=True) + "\n"
+    config = json.dumps(base_config, indent=2, sort_keys=True) + "\n"
     (out / "base" / "config.json").write_text(config)
     hf_files = hf_tokenizer_files(model)
     for name, text in hf_files.items():

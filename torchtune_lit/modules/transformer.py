@@ -113,90 +113,77 @@ class TransformerDecoder(nn.Module):
         self.final_logit_softcapping = final_logit_softcapping
         self.num_output_chunks = 0
 
-# %% ../../nbs/16_transformer.ipynb #b71c169e
-def _setup_caches(
-    self: "TransformerDecoder",
-    batch_size: int,
-    dtype: torch.dtype,
-    *,
-    decoder_max_seq_len: Optional[int] = None,
-) -> None:
-    """Give every attention layer a KV cache for `batch_size` sequences of up to
-    `decoder_max_seq_len` tokens.
-    """
-    for layer in self.layers:
-        layer.attn.setup_cache(
-            batch_size, dtype, decoder_max_seq_len or self.max_seq_len
-        )
+    # KV caches, for generation
+    def setup_caches(
+        self,
+        batch_size: int,
+        dtype: torch.dtype,
+        *,
+        decoder_max_seq_len: Optional[int] = None,
+    ) -> None:
+        """Give every attention layer a KV cache for `batch_size` sequences of up to
+        `decoder_max_seq_len` tokens.
+        """
+        for layer in self.layers:
+            layer.attn.setup_cache(
+                batch_size, dtype, decoder_max_seq_len or self.max_seq_len
+            )
 
+    def caches_are_enabled(self) -> bool:
+        "Whether the layers hold KV caches (set up and not removed)."
+        return self.layers[0].attn.kv_cache is not None
 
-def _caches_are_enabled(self: "TransformerDecoder") -> bool:
-    return self.layers[0].attn.kv_cache is not None
+    def reset_caches(self) -> None:
+        "Empty every KV cache (start a new generation)."
+        for layer in self.layers:
+            layer.attn.reset_cache()
 
+    def remove_caches(self) -> None:
+        "Drop the KV caches (back to training-style full forward passes)."
+        for layer in self.layers:
+            layer.attn.kv_cache = None
 
-def _reset_caches(self: "TransformerDecoder") -> None:
-    "Empty every KV cache (start a new generation)."
-    for layer in self.layers:
-        layer.attn.reset_cache()
+    # the forward pass, and the form of its output
+    def set_num_output_chunks(self, num_output_chunks: int) -> None:
+        """Return logits as this many chunks along the sequence (0: one tensor). Used
+        with chunked losses.
+        """
+        self.num_output_chunks = num_output_chunks
 
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        *,
+        mask: Optional[torch.Tensor] = None,
+        input_pos: Optional[torch.Tensor] = None,
+    ) -> Union[torch.Tensor, list[torch.Tensor]]:
+        "Logits for `tokens` [batch, seq] (see the class docstring)."
+        seq_len = tokens.shape[1]
+        if seq_len > self.max_seq_len:
+            raise ValueError(
+                f"sequence length {seq_len} exceeds the model's "
+                f"max_seq_len {self.max_seq_len}: truncate the input (tokenizer "
+                "max_seq_len) or build the model with a larger one."
+            )
+        h = self.tok_embeddings(tokens)
+        if self.embed_scale is not None:
+            h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
+        for layer in self.layers:
+            h = layer(h, mask=mask, input_pos=input_pos)
+        h = self.norm(h)
+        # chunks stay in the model's dtype: the loss upcasts one at a time
+        if self.num_output_chunks > 0:
+            return [
+                self._logits(chunk) for chunk in h.chunk(self.num_output_chunks, dim=1)
+            ]
+        return self._logits(h).float()
 
-def _remove_caches(self: "TransformerDecoder") -> None:
-    "Drop the KV caches (back to training-style full forward passes)."
-    for layer in self.layers:
-        layer.attn.kv_cache = None
-
-
-TransformerDecoder.setup_caches = _setup_caches
-TransformerDecoder.caches_are_enabled = _caches_are_enabled
-TransformerDecoder.reset_caches = _reset_caches
-TransformerDecoder.remove_caches = _remove_caches
-
-# %% ../../nbs/16_transformer.ipynb #b06d7f6a
-def _set_num_output_chunks(self: "TransformerDecoder", num_output_chunks: int) -> None:
-    """Return logits as this many chunks along the sequence (0: one tensor). Used
-    with chunked losses.
-    """
-    self.num_output_chunks = num_output_chunks
-
-
-TransformerDecoder.set_num_output_chunks = _set_num_output_chunks
-
-
-def _forward(
-    self: "TransformerDecoder",
-    tokens: torch.Tensor,
-    *,
-    mask: Optional[torch.Tensor] = None,
-    input_pos: Optional[torch.Tensor] = None,
-) -> Union[torch.Tensor, list[torch.Tensor]]:
-    seq_len = tokens.shape[1]
-    if seq_len > self.max_seq_len:
-        raise ValueError(
-            f"sequence length {seq_len} exceeds the model's "
-            f"max_seq_len {self.max_seq_len}: truncate the input (tokenizer "
-            "max_seq_len) or build the model with a larger one."
-        )
-    h = self.tok_embeddings(tokens)
-    if self.embed_scale is not None:
-        h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
-    for layer in self.layers:
-        h = layer(h, mask=mask, input_pos=input_pos)
-    h = self.norm(h)
-    # chunks stay in the model's dtype: the loss upcasts one at a time
-    if self.num_output_chunks > 0:
-        return [self._logits(chunk) for chunk in h.chunk(self.num_output_chunks, dim=1)]
-    return self._logits(h).float()
-
-
-def _logits(self: "TransformerDecoder", h: torch.Tensor) -> torch.Tensor:
-    logits = self.output(h)
-    if self.final_logit_softcapping is not None:
-        logits = (
-            torch.tanh(logits / self.final_logit_softcapping)
-            * self.final_logit_softcapping
-        )
-    return logits
-
-
-TransformerDecoder.forward = _forward
-TransformerDecoder._logits = _logits
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        "The output projection of the final hidden states, soft-capped if asked."
+        logits = self.output(h)
+        if self.final_logit_softcapping is not None:
+            logits = (
+                torch.tanh(logits / self.final_logit_softcapping)
+                * self.final_logit_softcapping
+            )
+        return logits

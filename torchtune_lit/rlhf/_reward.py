@@ -8,7 +8,6 @@ __all__ = ['with_score_head', 'tiny_llama_reward', 'sequence_scores', 'bradley_t
 
 # %% ../../nbs/67_reward_model.ipynb #74a30a07
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -22,9 +21,16 @@ from torchtune_lit.models.convert_weights import (
     hf_to_tune,
     tune_to_hf,
 )
+from torchtune_lit.training.checkpointing import (
+    CheckpointError,
+    FullModelHFCheckpointer,
+    _read_tensors,
+)
 
 from ..models.tiny import tiny_llama
 from ..modules.transformer import TransformerDecoder
+from ..training.atomic import atomic_folder
+from ..training.checkpointing import write_hf_weights
 
 # %% ../../nbs/67_reward_model.ipynb #04162fdd
 def with_score_head(
@@ -76,12 +82,6 @@ def save_reward_model(
     head) to `folder` as a Hugging Face `...ForSequenceClassification`, atomically:
     weights, and `config.json` from the base model's with one label and `pad_id` (and,
     for a step checkpoint, `recipe_state` as recipe_state.pt)."""
-    from torchtune_lit.training.checkpointing import (
-        _recover_interrupted_save,
-        _replace_folder,
-        write_hf_weights,
-    )
-
     body = {k: v for k, v in state_dict.items() if k != "output.weight"}
     hf = tune_to_hf(
         body,
@@ -100,11 +100,7 @@ def save_reward_model(
         "tie_word_embeddings": False,
     }
     folder = Path(folder)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    _recover_interrupted_save(folder)
-    tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
-    tmp.mkdir()
-    try:
+    with atomic_folder(folder) as tmp:
         write_hf_weights(hf, tmp)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         if recipe_state is not None:
@@ -112,10 +108,6 @@ def save_reward_model(
         for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"):
             if support_files is not None and (Path(support_files) / name).is_file():
                 shutil.copy2(Path(support_files) / name, tmp / name)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    _replace_folder(tmp, folder)
     return folder
 
 # %% ../../nbs/67_reward_model.ipynb #33708cc6
@@ -123,12 +115,6 @@ def reward_model_state_dict(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
     """The torchtune_lit state dict of a Hugging Face sequence-classifier folder (as
     `save_reward_model` writes it): the body's keys converted, `score.weight` as the
     head `output.weight`."""
-    from torchtune_lit.training.checkpointing import (
-        CheckpointError,
-        FullModelHFCheckpointer,
-        _read_tensors,
-    )
-
     checkpointer = FullModelHFCheckpointer(checkpoint_dir)
     tensors: dict[str, torch.Tensor] = {}
     for path in checkpointer.checkpoint_files:

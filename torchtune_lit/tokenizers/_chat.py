@@ -12,6 +12,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
+import torchtune_lit
+from torchtune_lit.tokenizers._base import (
+    HuggingFaceBaseTokenizer,
+    SentencePieceBaseTokenizer,
+    TikTokenBaseTokenizer,
+    _load_bpe_ranks,
+)
+
 from ..data import Message, validate_messages
 
 # %% ../../nbs/42_chat_tokenizers.ipynb #9b497920
@@ -250,12 +258,6 @@ class ModelTokenizer:
 
 # %% ../../nbs/42_chat_tokenizers.ipynb #7670414d
 def _base_tokenizer(path: Union[str, Path], tiktoken_kwargs: Optional[dict] = None):
-    from torchtune_lit.tokenizers._base import (
-        HuggingFaceBaseTokenizer,
-        SentencePieceBaseTokenizer,
-        TikTokenBaseTokenizer,
-    )
-
     path = Path(path)
     if path.suffix == ".json":
         return HuggingFaceBaseTokenizer(path)
@@ -293,8 +295,6 @@ def llama3_tokenizer(
     "Llama 3.x: `tokenizer.json`, or Meta's tiktoken `original/tokenizer.model`."
     tiktoken_kwargs = None
     if Path(path).suffix != ".json":
-        from torchtune_lit.tokenizers._base import _load_bpe_ranks
-
         n = len(_load_bpe_ranks(Path(path)))
         specials = {tok: n + i for i, tok in enumerate(LLAMA3_SPECIAL_TOKENS)}
         tiktoken_kwargs = dict(
@@ -337,8 +337,6 @@ def tiny_tokenizer(
 ) -> ModelTokenizer:
     """The shipped tiny model's tokenizer: its SentencePiece model (default: the
     package's assets/tiny/tokenizer.model) in the Llama 3 chat format."""
-    import torchtune_lit
-
     assets = Path(torchtune_lit.__file__).resolve().parent / "assets" / "tiny"
     return ModelTokenizer(
         _base_tokenizer(path or assets / "tokenizer.model"), Llama3Format(), max_seq_len

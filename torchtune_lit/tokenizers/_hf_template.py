@@ -9,7 +9,7 @@ __all__ = ['compile_chat_template', 'HuggingFaceModelTokenizer']
 import json
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 from ..data import Message, validate_messages
 from ._base import HuggingFaceBaseTokenizer
@@ -87,6 +87,93 @@ def _token_text(value: Any) -> str:
         return value.get("content", "")
     return value or ""
 
+# %% ../../nbs/42b_hf_chat_template.ipynb #b0c0030f
+def _end_of_turn_id(
+    render: Callable[..., str], base: HuggingFaceBaseTokenizer
+) -> Optional[int]:
+    """The first special token `render` writes after an assistant answer, else the base
+    tokenizer's EOS (also when the template cannot render the probe)."""
+    probe = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b"},
+    ]
+    try:
+        whole = render(probe)
+    except Exception:  # a template with requirements of its own: fall back
+        return base.eos_id
+    after = whole[whole.rindex("b") + 1 :]
+    ids = base.tokenizer.encode(after, add_special_tokens=False).ids
+    specials = {t.content for t in base.tokenizer.get_added_tokens_decoder().values()}
+    for token_id in ids:
+        if base.tokenizer.id_to_token(token_id) in specials:
+            return token_id
+    return base.eos_id
+
+# %% ../../nbs/42b_hf_chat_template.ipynb #4cb8bfed
+def _found_span(
+    render: Callable[..., str],
+    turns: list[dict],
+    i: int,
+    text: str,
+    add_generation_prompt: bool,
+    end_of_turn: Optional[str],
+) -> tuple[int, int]:
+    """The span of answer `i` in the full `text`, for templates that rewrite earlier
+    turns: the whole conversation is rendered again with that answer replaced by a
+    marker; what comes before and after the marker is what surrounds the answer. The
+    span runs through `end_of_turn` (the end-of-turn token's text) when it follows."""
+    marker = "\u2063answer\u2063"
+    marked = [dict(t, content=marker) if j == i else t for j, t in enumerate(turns)]
+    with_marker = render(marked, add_generation_prompt)
+    before, _, after = with_marker.partition(marker)
+    fits = marker in with_marker and len(before) + len(after) <= len(text)
+    if not (fits and text.startswith(before) and text.endswith(after)):
+        raise ValueError(
+            f"the chat template renders the turns before message {i} differently "
+            "once later messages follow, and the text around the answer depends on "
+            "the answer, so its place cannot be found; train on one assistant turn "
+            "per sample."
+        )
+    start, end = len(before), len(text) - len(after)
+    if end_of_turn is not None:  # through the end-of-turn token after it
+        at = text.find(end_of_turn, end)
+        if at >= 0 and not text[end:at].strip():  # right after the answer only
+            end = at + len(end_of_turn)
+    return start, end
+
+
+def _trained_spans(
+    render: Callable[..., str],
+    turns: list[dict],
+    masked: list[bool],
+    text: str,
+    add_generation_prompt: bool = False,
+    end_of_turn: Optional[str] = None,
+) -> list[tuple[int, int]]:
+    """Character spans of `text` (rendered with `add_generation_prompt`) to train: each
+    unmasked assistant answer and its end."""
+    spans = []
+    for i, turn in enumerate(turns):
+        if masked[i] or turn["role"] != "assistant":
+            continue
+        start_text = render(turns[:i], True)
+        end_text = render(turns[: i + 1], False)
+        if text.startswith(start_text) and text.startswith(end_text):
+            spans.append((len(start_text), len(end_text)))
+        else:  # the template rewrites this turn once later ones follow
+            found = _found_span(
+                render, turns, i, text, add_generation_prompt, end_of_turn
+            )
+            spans.append(found)
+    return spans
+
+# %% ../../nbs/42b_hf_chat_template.ipynb #0f73dd32
+def _dropped_system(turns: list[dict], text: str) -> bool:
+    "Whether the rendered `text` leaves out a system message of `turns`."
+    return any(
+        t["role"] == "system" and t["content"].strip() not in text for t in turns
+    )
+
 # %% ../../nbs/42b_hf_chat_template.ipynb #e9133e6f
 class HuggingFaceModelTokenizer:
     """Messages -> (tokens, mask) with the checkpoint's own chat template; mask True
@@ -122,7 +209,8 @@ class HuggingFaceModelTokenizer:
         self.template_kwargs = dict(template_kwargs or {})
         self.max_seq_len, self.vocab_size = max_seq_len, self.base.vocab_size
         self.bos_id, self.eos_id = self.base.bos_id, self.base.eos_id
-        self.eot_id = self._end_of_turn_id()
+        self.eot_id = _end_of_turn_id(self.render, self.base)
+        self._warned_dropped_system = False
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         "The template's text for `messages` ({'role', 'content'} dicts)."
@@ -131,141 +219,52 @@ class HuggingFaceModelTokenizer:
             **self.special_tokens, **self.template_kwargs,
         )  # fmt: skip
 
-# %% ../../nbs/42b_hf_chat_template.ipynb #b0c0030f
-def _end_of_turn_id(self: HuggingFaceModelTokenizer) -> Optional[int]:
-    "The first token the template writes after an assistant answer (else EOS)."
-    probe = [
-        {"role": "user", "content": "a"},
-        {"role": "assistant", "content": "b"},
-    ]
-    try:
-        whole = self.render(probe)
-    except Exception:  # a template with requirements of its own: fall back
-        return self.eos_id
-    after = whole[whole.rindex("b") + 1 :]
-    ids = self.base.tokenizer.encode(after, add_special_tokens=False).ids
-    specials = {
-        t.content for t in self.base.tokenizer.get_added_tokens_decoder().values()
-    }
-    for token_id in ids:
-        if self.base.tokenizer.id_to_token(token_id) in specials:
-            return token_id
-    return self.eos_id
-
-
-HuggingFaceModelTokenizer._end_of_turn_id = _end_of_turn_id
-
-# %% ../../nbs/42b_hf_chat_template.ipynb #4cb8bfed
-def _found_span(
-    tokenizer: HuggingFaceModelTokenizer,
-    turns: list[dict],
-    i: int,
-    text: str,
-    add_generation_prompt: bool,
-) -> tuple[int, int]:
-    """The span of answer `i` in the full `text`, for templates that rewrite earlier
-    turns: the whole conversation is rendered again with that answer replaced by a
-    marker; what comes before and after the marker is what surrounds the answer."""
-    marker = "\u2063answer\u2063"
-    marked = [dict(t, content=marker) if j == i else t for j, t in enumerate(turns)]
-    with_marker = tokenizer.render(marked, add_generation_prompt)
-    before, _, after = with_marker.partition(marker)
-    fits = marker in with_marker and len(before) + len(after) <= len(text)
-    if not (fits and text.startswith(before) and text.endswith(after)):
-        raise ValueError(
-            f"the chat template renders the turns before message {i} differently "
-            "once later messages follow, and the text around the answer depends on "
-            "the answer, so its place cannot be found; train on one assistant turn "
-            "per sample."
+    def tokenize_messages(
+        self,
+        messages: list[Message],
+        add_end_tokens: bool = True,
+        add_generation_prompt: bool = False,
+    ) -> tuple[list[int], list[bool]]:
+        "(tokens, mask) of a conversation; mask[i]: token i is not trained on."
+        validate_messages(messages)
+        turns = [{"role": m.role, "content": m.content} for m in messages]
+        text = self.render(turns, add_generation_prompt)
+        if _dropped_system(turns, text) and not self._warned_dropped_system:
+            self._warned_dropped_system = True  # once per tokenizer
+            print(
+                "WARNING: the chat template left a system message out of the rendered "
+                "conversation (the model never sees it); check the template, or put "
+                "the instruction into the first user message."
+            )
+        masked = [m.masked for m in messages]
+        end_of_turn = (  # the end-of-turn token's text, which a span runs through
+            None
+            if self.eot_id is None
+            else self.base.tokenizer.id_to_token(self.eot_id)
         )
-    start, end = len(before), len(text) - len(after)
-    if tokenizer.eot_id is not None:  # through the end-of-turn token after it
-        end_of_turn = tokenizer.base.tokenizer.id_to_token(tokenizer.eot_id)
-        at = text.find(end_of_turn, end)
-        if at >= 0 and not text[end:at].strip():  # right after the answer only
-            end = at + len(end_of_turn)
-    return start, end
+        spans = _trained_spans(
+            self.render, turns, masked, text, add_generation_prompt, end_of_turn
+        )
+        encoding = self.base.tokenizer.encode(text, add_special_tokens=False)
+        mask = [
+            not any(start <= first < end for start, end in spans)
+            for first, _ in encoding.offsets
+        ]
+        return _truncate(list(encoding.ids), mask, self.max_seq_len, self.eot_id)
 
-
-def _trained_spans(
-    tokenizer: HuggingFaceModelTokenizer,
-    turns: list[dict],
-    masked: list[bool],
-    text: str,
-    add_generation_prompt: bool = False,
-) -> list[tuple[int, int]]:
-    """Character spans of `text` (rendered with `add_generation_prompt`) to train: each
-    unmasked assistant answer and its end."""
-    spans = []
-    for i, turn in enumerate(turns):
-        if masked[i] or turn["role"] != "assistant":
-            continue
-        start_text = tokenizer.render(turns[:i], add_generation_prompt=True)
-        end_text = tokenizer.render(turns[: i + 1])
-        if text.startswith(start_text) and text.startswith(end_text):
-            spans.append((len(start_text), len(end_text)))
-        else:  # the template rewrites this turn once later ones follow
-            found = _found_span(tokenizer, turns, i, text, add_generation_prompt)
-            spans.append(found)
-    return spans
-
-# %% ../../nbs/42b_hf_chat_template.ipynb #0f73dd32
-def _warn_dropped_system(
-    tokenizer: HuggingFaceModelTokenizer, turns: list[dict], text: str
-) -> None:
-    """Say once per tokenizer when the template leaves a system message out of the
-    text (Mistral NeMo's does, once the conversation ends with an answer)."""
-    dropped = [
-        t for t in turns if t["role"] == "system" and t["content"].strip() not in text
-    ]
-    if dropped and not getattr(tokenizer, "_warned_dropped_system", False):
-        tokenizer._warned_dropped_system = True
-        print(
-            "WARNING: the chat template left a system message out of the rendered "
-            "conversation (the model never sees it); check the template, or put the "
-            "instruction into the first user message."
+    def encode(
+        self, text: str, add_bos: bool = True, add_eos: bool = True
+    ) -> list[int]:
+        "Plain text to ids (no template); BOS only where the tokenizer has one."
+        return self.base.encode(
+            text, add_bos=add_bos and self.bos_id is not None, add_eos=add_eos
         )
 
+    def decode(self, token_ids: list[int], **kwargs: Any) -> str:
+        "Ids to text, as the base tokenizer decodes them."
+        return self.base.decode(token_ids, **kwargs)
 
-def _tokenize_messages(
-    self: HuggingFaceModelTokenizer,
-    messages: list[Message],
-    add_end_tokens: bool = True,
-    add_generation_prompt: bool = False,
-) -> tuple[list[int], list[bool]]:
-    "(tokens, mask) of a conversation; mask[i]: token i is not trained on."
-    validate_messages(messages)
-    turns = [{"role": m.role, "content": m.content} for m in messages]
-    text = self.render(turns, add_generation_prompt)
-    _warn_dropped_system(self, turns, text)
-    masked = [m.masked for m in messages]
-    spans = _trained_spans(self, turns, masked, text, add_generation_prompt)
-    encoding = self.base.tokenizer.encode(text, add_special_tokens=False)
-    mask = [
-        not any(start <= first < end for start, end in spans)
-        for first, _ in encoding.offsets
-    ]
-    return _truncate(list(encoding.ids), mask, self.max_seq_len, self.eot_id)
-
-
-HuggingFaceModelTokenizer.tokenize_messages = _tokenize_messages
-
-
-def _encode(self, text: str, add_bos: bool = True, add_eos: bool = True) -> list[int]:
-    return self.base.encode(
-        text, add_bos=add_bos and self.bos_id is not None, add_eos=add_eos
-    )
-
-
-def _decode(self, token_ids: list[int], **kwargs: Any) -> str:
-    return self.base.decode(token_ids, **kwargs)
-
-
-def _call(self, sample: dict[str, Any]) -> dict[str, Any]:
-    tokens, mask = self.tokenize_messages(sample["messages"])
-    return {**sample, "tokens": tokens, "mask": mask}
-
-
-HuggingFaceModelTokenizer.encode = _encode
-HuggingFaceModelTokenizer.decode = _decode
-HuggingFaceModelTokenizer.__call__ = _call
+    def __call__(self, sample: dict[str, Any]) -> dict[str, Any]:
+        "A dataset row with `messages` -> the row with `tokens` and `mask` added."
+        tokens, mask = self.tokenize_messages(sample["messages"])
+        return {**sample, "tokens": tokens, "mask": mask}

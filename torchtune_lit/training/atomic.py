@@ -68,7 +68,7 @@ def atomic_folder(final: Union[str, Path]) -> Iterator[Path]:
 
 # %% ../../nbs/69b_atomic_writes.ipynb #eb0ba782
 def atomic_write_text(path: Union[str, Path], text: str) -> None:
-    "Write `text` to `path` so that a reader sees the old contents or the new, never part."
+    "Write `text` to `path` a reader sees the old contents or the new, never part."
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:

@@ -17,6 +17,10 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from ..modules.attention import sdpa_compute_dtype
+from ..modules.low_precision.nf4 import FrozenNF4Linear, is_nf4
+from ..modules.transformer import TransformerSelfAttentionLayer
+
 # %% ../../nbs/76_memory.ipynb #99b9d2c1
 # 4-bit codes, an int8 scale per 64, an fp32 factor per 256 scales
 NF4_BITS_PER_PARAM = 4 + 8 / 64 + 32 / (64 * 256)
@@ -62,8 +66,6 @@ def layer_activation_bytes_per_token(
 # %% ../../nbs/76_memory.ipynb #d65f9b6c
 def _parameter_bytes(model: nn.Module, bytes_per_element: int) -> tuple[float, int]:
     "(bytes of all weights, number of trainable parameters), NF4 bases at 4.127 bits."
-    from torchtune_lit.modules.low_precision.nf4 import FrozenNF4Linear, is_nf4
-
     nf4 = {
         id(m.weight)
         for m in model.modules()
@@ -190,8 +192,6 @@ def estimate_training_memory(
     `device` (default: where the model's parameters are) decides whether attention
     runs in fp32 (CPU, short bf16).
     """
-    from torchtune_lit.modules.attention import sdpa_compute_dtype
-
     b = torch.empty((), dtype=dtype).element_size()
     tokens = batch_size * seq_len
     weights, trainable = _parameter_bytes(model, b)
@@ -251,8 +251,6 @@ def _checkpointed_forward(forward: Callable, *args: Any, **kwargs: Any) -> Any:
 
 
 def _default_policy() -> tuple[type, ...]:
-    from torchtune_lit.modules.transformer import TransformerSelfAttentionLayer
-
     return (TransformerSelfAttentionLayer,)
 
 

@@ -26,6 +26,8 @@ from torchtune_lit.datasets import (
 
 from ..data import CROSS_ENTROPY_IGNORE_IDX
 from ..models import MODEL_FAMILIES
+from .memory import estimate_training_memory
+from .run_setup import DTYPES
 
 # %% ../../nbs/74_preflight.ipynb #00f50cf3
 def _finding(level: str, message: str, **numbers: Any) -> dict[str, Any]:
@@ -390,9 +392,6 @@ def _planned_memory(
     """(the planner's estimate per process, the padded sequence length, whether
     activation checkpointing is on) for `cfg`.
     """
-    from torchtune_lit.training._utils import DTYPES
-    from torchtune_lit.training.memory import estimate_training_memory
-
     seq_len = max_tokens_per_sample
     if shared_setting(cfg.dataset, "packed", False) and cfg.tokenizer.get(
         "max_seq_len"

@@ -18,6 +18,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
+import torchtune_lit.config as config
+
+from .atomic import atomic_folder, atomic_write_text
+
 # %% ../../nbs/77_runs.ipynb #9183d6b2
 RUN_FILES = ("config.yaml", "log.jsonl", "run.json", "preflight.json")
 RUN_FOLDERS = ("epoch_*", "step_*", "best", ".epoch_*", ".step_*")
@@ -174,10 +178,8 @@ class RunInfo:
 
     def save(self, output_dir: Union[str, Path]) -> None:
         "Write run.json atomically (a reader never sees half a file)."
-        path = Path(output_dir) / "run.json"
-        tmp = path.with_name(".run.json.tmp")
-        tmp.write_text(json.dumps(asdict(self), indent=1) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
+        text = json.dumps(asdict(self), indent=1) + "\n"
+        atomic_write_text(Path(output_dir) / "run.json", text)
 
     @classmethod
     def load(cls, output_dir: Union[str, Path]) -> "RunInfo":
@@ -230,13 +232,15 @@ def point_best(output_dir: Union[str, Path], epoch_folder: Union[str, Path]) -> 
         tmp.unlink()
     try:
         os.symlink(target.name, tmp, target_is_directory=True)
-        os.replace(tmp, best)
-    except OSError:
+        os.replace(tmp, best)  # one rename: the old link or the new, never none
+    except OSError:  # no links here, or `best` is already a copy: copy the epoch
+        if tmp.is_symlink():
+            tmp.unlink()
         shutil.rmtree(tmp, ignore_errors=True)
         if best.is_symlink() or best.is_file():
-            best.unlink()
-        shutil.rmtree(best, ignore_errors=True)
-        shutil.copytree(target, best)
+            best.unlink()  # a folder is not renamed onto a link
+        with atomic_folder(best) as copy:
+            shutil.copytree(target, copy, dirs_exist_ok=True)
     return best
 
 # %% ../../nbs/77_runs.ipynb #2e95a789
@@ -352,8 +356,6 @@ class RunTracker:
     ) -> None:
         from tqdm.auto import tqdm
 
-        import torchtune_lit.config as config
-
         self.cfg, self.output_dir = cfg, Path(output_dir)
         self.info = start_run(self.output_dir, recipe, resuming)
         self.log = RunLog(self.output_dir, self.info.run_id)
@@ -383,6 +385,30 @@ class RunTracker:
             loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.1e}"
         )
 
+    def end_epoch(
+        self,
+        epoch: int,
+        step: int,
+        folder: Union[str, Path],
+        val_loss: Optional[float],
+    ) -> bool:
+        "Record a saved epoch and its validation loss; True when training should stop."
+        losses = [m["loss"] for m in self.history if m["epoch"] == epoch]
+        train_loss = sum(losses) / len(losses) if losses else float("nan")
+        stop = self.epochs.epoch_done(
+            EpochResult(epoch, step, str(folder), train_loss, val_loss)
+        )
+        shown = "" if val_loss is None else f", validation loss {val_loss:.4f}"
+        best = (
+            " (best so far)"
+            if val_loss is not None and self.info.best_epoch == epoch
+            else ""
+        )
+        print(
+            f"Epoch {epoch}: saved {folder}; train loss {train_loss:.4f}{shown}{best}"
+        )
+        return stop
+
     def close(self, stopped_early: bool = False) -> str:
         "Close the logs, mark the run finished, and return the summary to print."
         self.progress.close()
@@ -398,32 +424,6 @@ class RunTracker:
             stopped_early,
             self.cfg.get("evaluate_with"),
         )
-
-# %% ../../nbs/77_runs.ipynb #5bcb060b
-def _end_epoch(
-    self: RunTracker,
-    epoch: int,
-    step: int,
-    folder: Union[str, Path],
-    val_loss: Optional[float],
-) -> bool:
-    "Record a saved epoch (folder, validation loss); True when training should stop."
-    losses = [m["loss"] for m in self.history if m["epoch"] == epoch]
-    train_loss = sum(losses) / len(losses) if losses else float("nan")
-    stop = self.epochs.epoch_done(
-        EpochResult(epoch, step, str(folder), train_loss, val_loss)
-    )
-    shown = "" if val_loss is None else f", validation loss {val_loss:.4f}"
-    best = (
-        " (best so far)"
-        if val_loss is not None and self.info.best_epoch == epoch
-        else ""
-    )
-    print(f"Epoch {epoch}: saved {folder}; train loss {train_loss:.4f}{shown}{best}")
-    return stop
-
-
-RunTracker.end_epoch = _end_epoch
 
 # %% ../../nbs/77_runs.ipynb #dab34c83
 def read_log(output_dir: Union[str, Path]) -> list[dict]:

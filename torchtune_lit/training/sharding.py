@@ -8,7 +8,6 @@ __all__ = ['init_distributed', 'shard_model', 'gather_full_state_dict', 'load_fr
 
 # %% ../../nbs/73_distributed.ipynb #a395ce6a
 import os
-import shutil
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -16,7 +15,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._utils import capture_rng_state
+from torchtune_lit.training.atomic import (
+    recover_interrupted_write,
+    replace_folder,
+    temporary_folder,
+)
+
+from .checkpointing import CheckpointError, check_state_dict
+from .resume import capture_rng_state
 
 # %% ../../nbs/73_distributed.ipynb #0529f7fa
 def init_distributed() -> tuple[int, int, torch.device]:
@@ -83,8 +89,6 @@ def _check_fits(
     """On rank 0: what is wrong with the checkpoint for this (meta, sharded) model, or
     None.
     """
-    from torchtune_lit.training.checkpointing import CheckpointError, check_state_dict
-
     try:
         # DTensor shapes are the full (global) shapes
         check_state_dict(model.state_dict(), full_state_dict)
@@ -104,9 +108,6 @@ def load_from_full_state_dict(
         StateDictOptions,
         set_model_state_dict,
     )
-
-    from torchtune_lit.training.checkpointing import CheckpointError
-
     verdict = [_check_fits(model, full_state_dict) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(verdict, src=0)
     if verdict[0] is not None:
@@ -140,9 +141,9 @@ def save_sharded_checkpoint(
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     folder, rank = Path(folder), dist.get_rank()
-    tmp = folder.with_name(f".{folder.name}.tmp")
+    tmp = temporary_folder(folder, tag="shared")  # one folder that every rank fills
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
+        recover_interrupted_write(folder)
         tmp.mkdir(parents=True)
     dist.barrier()
     model_state, optimizer_state = get_state_dict(model, optimizer)
@@ -155,12 +156,7 @@ def save_sharded_checkpoint(
     dist.barrier()  # every shard is on disk
     if rank == 0:
         torch.save(recipe_state, tmp / "recipe_state.pt")
-        old = folder.with_name(folder.name + ".old")
-        if folder.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(folder, old)
-        os.replace(tmp, folder)
-        shutil.rmtree(old, ignore_errors=True)
+        replace_folder(tmp, folder)  # set the old one aside, rename, delete the old
     dist.barrier()
     return folder
 

@@ -10,9 +10,11 @@ from typing import Optional
 
 import torch
 from omegaconf import DictConfig
+from torch.utils.data import DataLoader
 
 import torchtune_lit.config as config
-import torchtune_lit.training._utils as utils
+import torchtune_lit.data as data
+import torchtune_lit.training.steps as steps
 
 from .checkpointing import load_model_state_dict
 
@@ -58,7 +60,7 @@ def build_losses(
             "the config has no kd_loss; add one, e.g. kd_loss: {_component_: "
             "torchtune_lit.modules.loss.ForwardKLWithChunkedOutputLoss}"
         )
-    loss_fn = utils.build_loss(cfg, student)  # chunks the student's logits
+    loss_fn = steps.build_loss(cfg, student)  # chunks the student's logits
     kd_loss_fn = config.instantiate(cfg.kd_loss)
     ce_chunks = getattr(loss_fn, "num_output_chunks", 0)
     kd_chunks = getattr(kd_loss_fn, "num_output_chunks", 0)
@@ -80,10 +82,6 @@ def held_out_batches(
     """Up to `kl_eval_batches` batches of `batch_size` (default: the config's) rows of
     `kl_eval_dataset` (data the student does not train on), unshuffled.
     """
-    from torch.utils.data import DataLoader
-
-    import torchtune_lit.data as data
-
     dataset = config.instantiate(cfg.kl_eval_dataset, tokenizer)
     loader = DataLoader(
         dataset,
@@ -111,7 +109,7 @@ def kl_to_teacher(student, teacher, batches: list[dict]) -> float:
     student.eval()
     total, tokens = 0.0, 0
     for batch in batches:
-        labels = utils.shift_labels(batch["labels"])
+        labels = steps.shift_labels(batch["labels"])
         p_log = torch.log_softmax(_whole(teacher(batch["tokens"])).float(), -1)
         q_log = torch.log_softmax(_whole(student(batch["tokens"])).float(), -1)
         kl = (p_log.exp() * (p_log - q_log)).sum(-1)
