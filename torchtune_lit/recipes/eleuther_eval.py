@@ -25,7 +25,7 @@ try:
 except ImportError:  # the recipe explains how to install it when it runs
     LM = object
 
-# %% ../../nbs/93_eleuther_eval.ipynb #578f64a1
+# %% ../../nbs/93_eleuther_eval.ipynb #9eb707c7
 # The config keys this recipe reads: key -> (default, meaning), "required" where the
 # config must set it. `tunelit run RECIPE --help` prints them; a key one typo away
 # from one of them is refused, and a key not listed draws a warning.

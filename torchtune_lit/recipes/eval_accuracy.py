@@ -19,7 +19,7 @@ import torchtune_lit.datasets as datasets
 import torchtune_lit.generation as generation
 import torchtune_lit.training as training
 
-# %% ../../nbs/92_eval_accuracy.ipynb #b3a34f60
+# %% ../../nbs/92_eval_accuracy.ipynb #fc57a346
 # The config keys this recipe reads: key -> (default, meaning), "required" where the
 # config must set it. `tunelit run RECIPE --help` prints them; a key one typo away
 # from one of them is refused, and a key not listed draws a warning.

@@ -19,7 +19,7 @@ import torchtune_lit.data as data
 import torchtune_lit.generation as generation
 import torchtune_lit.training as training
 
-# %% ../../nbs/91_generate.ipynb #eaf1cc61
+# %% ../../nbs/91_generate.ipynb #f072dd60
 # The config keys this recipe reads: key -> (default, meaning), "required" where the
 # config must set it. `tunelit run RECIPE --help` prints them; a key one typo away
 # from one of them is refused, and a key not listed draws a warning.

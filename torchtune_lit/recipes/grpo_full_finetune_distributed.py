@@ -19,7 +19,7 @@ import torchtune_lit.rlhf.grpo_parts as grpo_parts
 import torchtune_lit.rlhf.rewards as rewards
 import torchtune_lit.training as training
 
-# %% ../../nbs/8b_grpo_full_finetune_distributed.ipynb #cbb84d32
+# %% ../../nbs/8b_grpo_full_finetune_distributed.ipynb #d05cdb2e
 # The config keys this recipe reads: key -> (default, meaning), "required" where the
 # config must set it. `tunelit run RECIPE --help` prints them; a key one typo away
 # from one of them is refused, and a key not listed draws a warning.
@@ -29,6 +29,7 @@ CONFIG_KEYS = {
         "folder the run writes to (refused if another run is there)",
     ),
     "seed": ("required", "seed of the data order, dropout and sampling"),
+    "device": ("required", "cpu, cuda or cuda:N"),
     "dtype": ("required", "fp32 or bf16"),
     "compile": (False, "torch.compile each layer"),
     "enable_activation_checkpointing": (False, "recompute activations in backward"),
@@ -41,7 +42,7 @@ CONFIG_KEYS = {
     "checkpointer": ("required", "reads the base weights and writes the outputs"),
     "optimizer": (None, "the optimizer component"),
     "lr_scheduler": (None, "the learning-rate schedule component"),
-    "loss": ("required", "the loss component (DPO recipes)"),
+    "loss": ("required", "the loss component"),
     "batch_size": ("required", "samples per micro-batch (per process)"),
     "epochs": ("required", "passes over the training set"),
     "max_steps_per_epoch": (None, "cap on optimizer steps per epoch (null: no cap)"),

@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 import torchtune_lit.config as config
 import torchtune_lit.training as training
 
-# %% ../../nbs/85b_knowledge_distillation_distributed.ipynb #6d66b066
+# %% ../../nbs/85b_knowledge_distillation_distributed.ipynb #b0b7aca6
 # The config keys this recipe reads: key -> (default, meaning), "required" where the
 # config must set it. `tunelit run RECIPE --help` prints them; a key one typo away
 # from one of them is refused, and a key not listed draws a warning.
@@ -27,6 +27,7 @@ CONFIG_KEYS = {
         "folder the run writes to (refused if another run is there)",
     ),
     "seed": ("required", "seed of the data order, dropout and sampling"),
+    "device": ("required", "cpu, cuda or cuda:N"),
     "dtype": ("required", "fp32 or bf16"),
     "compile": (False, "torch.compile each layer"),
     "enable_activation_checkpointing": (False, "recompute activations in backward"),
@@ -39,7 +40,7 @@ CONFIG_KEYS = {
     "checkpointer": ("required", "reads the base weights and writes the outputs"),
     "optimizer": (None, "the optimizer component"),
     "lr_scheduler": (None, "the learning-rate schedule component"),
-    "loss": (None, "the loss component (DPO recipes)"),
+    "loss": (None, "the loss component"),
     "batch_size": ("required", "samples per micro-batch (per process)"),
     "epochs": ("required", "passes over the training set"),
     "max_steps_per_epoch": (None, "cap on optimizer steps per epoch (null: no cap)"),

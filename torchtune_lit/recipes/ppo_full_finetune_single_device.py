@@ -21,7 +21,7 @@ import torchtune_lit.rlhf as rlhf
 import torchtune_lit.rlhf.rewards as rewards
 import torchtune_lit.training as training
 
-# %% ../../nbs/8d_ppo_full_finetune_single_device.ipynb #6bbe7283
+# %% ../../nbs/8d_ppo_full_finetune_single_device.ipynb #2b8d8a6c
 # The config keys this recipe reads: key -> (default, meaning), "required" where the
 # config must set it. `tunelit run RECIPE --help` prints them; a key one typo away
 # from one of them is refused, and a key not listed draws a warning.
@@ -44,7 +44,7 @@ CONFIG_KEYS = {
     "checkpointer": ("required", "reads the base weights and writes the outputs"),
     "optimizer": (None, "the optimizer component"),
     "lr_scheduler": (None, "the learning-rate schedule component"),
-    "loss": ("required", "the loss component (DPO recipes)"),
+    "loss": ("required", "the loss component"),
     "batch_size": ("required", "samples per micro-batch (per process)"),
     "epochs": ("required", "passes over the training set"),
     "max_steps_per_epoch": (None, "cap on optimizer steps per epoch (null: no cap)"),

@@ -17,7 +17,7 @@ import torchtune_lit.training as training
 import torchtune_lit.training.preflight as preflight
 import torchtune_lit.training.runs as runs
 
-# %% ../../nbs/8e_qat_single_device.ipynb #30817863
+# %% ../../nbs/8e_qat_single_device.ipynb #05fe6447
 # The config keys this recipe reads: key -> (default, meaning), "required" where the
 # config must set it. `tunelit run RECIPE --help` prints them; a key one typo away
 # from one of them is refused, and a key not listed draws a warning.
@@ -27,8 +27,8 @@ CONFIG_KEYS = {
         "folder the run writes to (refused if another run is there)",
     ),
     "seed": ("required", "seed of the data order, dropout and sampling"),
-    "device": ("cpu", "cpu, cuda or cuda:N"),
-    "dtype": ("fp32", "fp32 or bf16"),
+    "device": ("required", "cpu, cuda or cuda:N"),
+    "dtype": ("required", "fp32 or bf16"),
     "compile": (False, "torch.compile each layer"),
     "enable_activation_checkpointing": (False, "recompute activations in backward"),
     "enable_activation_offloading": (
@@ -46,7 +46,7 @@ CONFIG_KEYS = {
     "checkpointer": ("required", "reads the base weights and writes the outputs"),
     "optimizer": ("required", "the optimizer component"),
     "lr_scheduler": (None, "the learning-rate schedule component"),
-    "loss": (None, "the loss component (DPO recipes)"),
+    "loss": (None, "the loss component"),
     "batch_size": ("required", "samples per micro-batch (per process)"),
     "epochs": ("required", "passes over the training set"),
     "max_steps_per_epoch": (None, "cap on optimizer steps per epoch (null: no cap)"),

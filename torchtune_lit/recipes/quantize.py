@@ -24,7 +24,7 @@ import torchtune_lit.data as data
 import torchtune_lit.models as models
 import torchtune_lit.training as training
 
-# %% ../../nbs/86_quantize.ipynb #4118f256
+# %% ../../nbs/86_quantize.ipynb #84b49dc0
 # The config keys this recipe reads: key -> (default, meaning), "required" where the
 # config must set it. `tunelit run RECIPE --help` prints them; a key one typo away
 # from one of them is refused, and a key not listed draws a warning.

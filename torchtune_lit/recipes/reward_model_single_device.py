@@ -17,7 +17,7 @@ import torchtune_lit.rlhf as rlhf
 import torchtune_lit.rlhf.preference_parts as preference_parts
 import torchtune_lit.training as training
 
-# %% ../../nbs/8c_reward_model_single_device.ipynb #8cc8c9ec
+# %% ../../nbs/8c_reward_model_single_device.ipynb #231c12e9
 # The config keys this recipe reads: key -> (default, meaning), "required" where the
 # config must set it. `tunelit run RECIPE --help` prints them; a key one typo away
 # from one of them is refused, and a key not listed draws a warning.

@@ -20,7 +20,7 @@ import torchtune_lit.config as config
 import torchtune_lit.tabular as tabular
 import torchtune_lit.training as training
 
-# %% ../../nbs/98b_tabular_pretrain_distributed.ipynb #fe52e641
+# %% ../../nbs/98b_tabular_pretrain_distributed.ipynb #62caeb3e
 # The config keys this recipe reads: key -> (default, meaning), "required" where the
 # config must set it. `tunelit run RECIPE --help` prints them; a key one typo away
 # from one of them is refused, and a key not listed draws a warning.
@@ -30,6 +30,7 @@ CONFIG_KEYS = {
         "folder the run writes to (refused if another run is there)",
     ),
     "seed": ("required", "seed of the data order, dropout and sampling"),
+    "device": ("required", "cpu, cuda or cuda:N"),
     "dtype": ("required", "fp32 or bf16"),
     "progress_bar": (True, "show a progress bar"),
     "allowed_components": (None, "packages of your own this config may build from"),

@@ -18,7 +18,7 @@ import torchtune_lit.config as config
 import torchtune_lit.tabular as tabular
 import torchtune_lit.training as training
 
-# %% ../../nbs/98_tabular_pretrain_single_device.ipynb #dc4c14f6
+# %% ../../nbs/98_tabular_pretrain_single_device.ipynb #7d50f355
 # The config keys this recipe reads: key -> (default, meaning), "required" where the
 # config must set it. `tunelit run RECIPE --help` prints them; a key one typo away
 # from one of them is refused, and a key not listed draws a warning.

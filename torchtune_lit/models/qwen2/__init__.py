@@ -8,9 +8,8 @@ __all__ = ['lora_qwen2', 'qwen2']
 # %% ../../../nbs/24_qwen2.ipynb #222b85c4
 from typing import Optional
 
-from ...modules.position_embeddings import RotaryPositionalEmbeddings
 from ...modules.transformer import TransformerDecoder
-from .._decoder_builder import build_decoder
+from .._hf_config import build_from_hf_config, hf_config
 
 # %% ../../../nbs/24_qwen2.ipynb #4a551e03
 def qwen2(
@@ -27,27 +26,10 @@ def qwen2(
     rope_base: float = 1_000_000.0,
     tie_word_embeddings: bool = False,
 ) -> TransformerDecoder:
-    """A Qwen 2 / 2.5 decoder (torchtune's `qwen2` arguments): q/k/v biases, RoPE base
-    1e6, optional tied output.
+    """A Qwen 2 / 2.5 decoder (torchtune's `qwen2` arguments), built from the
+    `config.json` they describe: q/k/v biases, RoPE base 1e6, optional tied output.
     """
-    head_dim = head_dim or embed_dim // num_heads
-    return build_decoder(
-        vocab_size=vocab_size,
-        num_layers=num_layers,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        embed_dim=embed_dim,
-        intermediate_dim=intermediate_dim,
-        max_seq_len=max_seq_len,
-        head_dim=head_dim,
-        norm_eps=norm_eps,
-        attn_dropout=attn_dropout,
-        attn_bias=True,
-        tie_word_embeddings=tie_word_embeddings,
-        rope=RotaryPositionalEmbeddings(
-            dim=head_dim, max_seq_len=max_seq_len, base=rope_base
-        ),
-    )
+    return build_from_hf_config(hf_config("qwen2", **locals()))
 
 # %% ../../../nbs/24_qwen2.ipynb #f069575f
 from ...modules.peft import lora_builder
