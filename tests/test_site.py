@@ -146,3 +146,16 @@ def test_colab_cells_are_current():
     result = subprocess.run([sys.executable, str(ROOT / "docs" / "colab_cells.py"), "--check"],
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_exported_cells_are_shown():
+    "nbdev hides `#| export` cells from the pages; the book shows its code, so an exported cell says `#| exports`."
+    import json
+
+    hidden = []
+    for notebook in sorted((ROOT / "nbs").glob("*.ipynb")):
+        for cell in json.loads(notebook.read_text(encoding="utf-8"))["cells"]:
+            first = "".join(cell["source"]).split("\n", 1)[0].strip()
+            if cell["cell_type"] == "code" and re.fullmatch(r"#\|\s*export(\s+\S+)?", first):
+                hidden.append(notebook.name)
+    assert not hidden, f"`#| export` hides the cell from the site in {sorted(set(hidden))}: write `#| exports`"

@@ -119,9 +119,7 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     """Print the preflight report of a fine-tuning config (and save it in its
     output_dir).
     """
-    from torchtune_lit.training import (
-        preflight,  # loads PyTorch: only this command needs it
-    )
+    from torchtune_lit.training import preflight  # PyTorch: only here
 
     cfg = load_cli_config(args)
     _config.validate(cfg)

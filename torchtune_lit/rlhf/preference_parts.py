@@ -140,7 +140,7 @@ def build_preference_loaders(
     pairs in order, or None)."""
     dataset = config.instantiate(cfg.dataset, tokenizer)
     if cfg.get("sanity_check"):  # `tunelit run ... --sanity`: overfit a handful
-        dataset = torch.training.data.Subset(
+        dataset = torch.utils.data.Subset(
             dataset, range(min(cfg.sanity_check, len(dataset)))
         )
     collate = data.padded_collate_dpo

@@ -18,13 +18,13 @@ import torch
 from torch import nn
 
 import torchtune_lit.modules.peft as peft
-
-from ..modules.peft import get_adapter_params
-from .checkpointing import (
+from torchtune_lit.training.checkpointing import (
     CheckpointError,
     FullModelHFCheckpointer,
     load_model_state_dict,
 )
+
+from ..modules.peft import get_adapter_params
 
 # %% ../../nbs/71c_resume.ipynb #af6afd68
 def capture_rng_state() -> dict[str, Any]:
