@@ -26,7 +26,10 @@ def test_reward_model_ranks_held_out_pairs_and_loads_in_transformers(tmp_path):
     assert saved["architectures"] == ["LlamaForSequenceClassification"] and saved["num_labels"] == 1
     model = transformers.AutoModelForSequenceClassification.from_pretrained(folder).eval()
     cfg = config.load_config("tiny/reward_model")
-    loader = preference_parts.build_preference_loaders(cfg, config.instantiate(cfg.tokenizer))[1]
+    tokenizer = config.instantiate(cfg.tokenizer)
+    loader = preference_parts.build_preference_loaders(config.instantiate(cfg.dataset, tokenizer),
+                                                       config.instantiate(cfg.validation_dataset, tokenizer),
+                                                       cfg.batch_size, cfg.seed)[1]
     correct = pairs = 0
     with torch.no_grad():
         for ids, _ in loader:

@@ -7,10 +7,11 @@ __all__ = ['CONFIG_KEYS', 'train', 'recipe_main']
 
 # %% ../../nbs/89_full_dpo_distributed.ipynb #f2834a61
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 import torchtune_lit.config as config
 import torchtune_lit.rlhf.preference_parts as preference_parts
@@ -76,7 +77,13 @@ CONFIG_KEYS = {
 def train(cfg: DictConfig) -> list[dict]:
     "Run the recipe on every rank; rank 0 logs and saves. Returns rank 0's metrics."
     # 1. join the process group; no tensor parallelism for preference pairs
-    rank, world_size, device, dtype, output_dir = training.setup_process(cfg)
+    config.check_run_values(cfg)
+    rank, world_size, device = training.init_distributed()
+    dtype = training.get_dtype(cfg.dtype, device)
+    training.set_seed(cfg.seed)
+    output_dir = Path(cfg.output_dir)
+    if rank == 0:  # output_dir/config.yaml
+        training.save_run_config(OmegaConf.to_container(cfg, resolve=True), output_dir)
     mesh = training.device_mesh(device, world_size, cfg.get("tensor_parallel_dim", 1))
     if mesh is not None:
         raise ValueError(
@@ -88,8 +95,11 @@ def train(cfg: DictConfig) -> list[dict]:
     checkpointer = config.instantiate(cfg.checkpointer)
     tokenizer = config.instantiate(cfg.tokenizer)
     loader, val_loader = preference_parts.build_preference_loaders(
-        cfg, tokenizer, rank, world_size
-    )
+        config.instantiate(cfg.dataset, tokenizer),
+        config.instantiate(cfg.get("validation_dataset"), tokenizer),
+        cfg.batch_size, cfg.seed, cfg.get("shuffle", True), cfg.get("sanity_check"),
+        rank, world_size,
+    )  # fmt: skip
     inspect = training.preflight_printer(  # the checks see each pair's chosen answer
         cfg, tokenizer, preflight.ChosenView(loader.dataset), output_dir, world_size
     )
@@ -103,8 +113,12 @@ def train(cfg: DictConfig) -> list[dict]:
         reference.requires_grad_(False).eval()
     trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = config.instantiate(cfg.optimizer, trained)
-    accumulation, steps_per_epoch, total_steps, lr_scheduler = (
-        training.training_schedule(cfg, len(loader), optimizer)
+    accumulation, steps_per_epoch, total_steps = training.training_schedule(
+        len(loader), cfg.epochs, cfg.get("gradient_accumulation_steps", 1),
+        cfg.get("max_steps_per_epoch"),
+    )  # fmt: skip
+    lr_scheduler = config.instantiate(  # None without one
+        cfg.get("lr_scheduler"), optimizer, num_training_steps=total_steps
     )
     if rank == 0 and reference is not None:
         print(

@@ -9,7 +9,7 @@ __all__ = ['CONFIG_KEYS', 'train', 'recipe_main']
 import sys
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 import torchtune_lit.config as config
 import torchtune_lit.rlhf.preference_parts as preference_parts
@@ -71,14 +71,30 @@ CONFIG_KEYS = {
 def train(cfg: DictConfig) -> list[dict]:
     "Run the recipe described by `cfg`; return the metrics of every step."
     # 1. device, dtype, seed, the run folder; the model, strictly from its checkpoint
-    device, dtype, output_dir = training.setup_run(cfg)
+    config.check_run_values(cfg)
+    device = training.get_device(cfg.device)
+    dtype = training.get_dtype(cfg.dtype, device)
+    training.set_seed(cfg.seed)
+    resume = cfg.get("resume_from_checkpoint", False)
+    overwrite = cfg.get("overwrite", False)
+    output_dir = training.claim_output_dir(cfg.output_dir, resume, overwrite)
+    settings = OmegaConf.to_container(cfg, resolve=True)
+    training.save_run_config(settings, output_dir, resume)  # output_dir/config.yaml
     checkpointer = config.instantiate(cfg.checkpointer)
-    model = training.load_model(cfg, checkpointer, device, dtype)
+    model = training.load_model(
+        config.instantiate(cfg.model), checkpointer, device, dtype,
+        activation_checkpointing=cfg.get("enable_activation_checkpointing", False),
+        compile=cfg.get("compile", False),
+    )  # fmt: skip
 
     # 2. the pairs, the optimizer over every weight, the preference loss, the preflight
     # report (of each pair's chosen answer), the schedule and the reference
     tokenizer = config.instantiate(cfg.tokenizer)
-    loader, val_loader = preference_parts.build_preference_loaders(cfg, tokenizer)
+    loader, val_loader = preference_parts.build_preference_loaders(
+        config.instantiate(cfg.dataset, tokenizer),
+        config.instantiate(cfg.get("validation_dataset"), tokenizer),
+        cfg.batch_size, cfg.seed, cfg.get("shuffle", True), cfg.get("sanity_check"),
+    )  # fmt: skip
     trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = config.instantiate(cfg.optimizer, trained)
     loss_fn = config.instantiate(cfg.loss)
@@ -90,15 +106,21 @@ def train(cfg: DictConfig) -> list[dict]:
             dataset=preflight.ChosenView(loader.dataset),
         )
         preflight.report_and_check(report, output_dir)
-    accumulation, steps_per_epoch, total_steps, lr_scheduler = (
-        training.training_schedule(cfg, len(loader), optimizer)
+    accumulation, steps_per_epoch, total_steps = training.training_schedule(
+        len(loader), cfg.epochs, cfg.get("gradient_accumulation_steps", 1),
+        cfg.get("max_steps_per_epoch"),
+    )  # fmt: skip
+    lr_scheduler = config.instantiate(  # None without one
+        cfg.get("lr_scheduler"), optimizer, num_training_steps=total_steps
     )
     # a frozen copy of the starting weights (None for a reference-free loss), made
     # before resuming: on resume too the reference is the starting checkpoint
     reference = preference_parts.frozen_reference(model, loss_fn)
 
     # 3. resume from the newest step checkpoint if asked; the log and progress bar
-    resumed = training.resume_state(cfg, model)
+    resumed = None  # the recipe state of the step checkpoint resumed from
+    if resume:
+        resumed = training.resume_state(output_dir, model)
     start = training.resume_position(
         resumed, optimizer, lr_scheduler, output_dir / "log.jsonl"
     )

@@ -10,9 +10,10 @@ import contextlib
 import sys
 import time
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 import torchtune_lit.config as config
+import torchtune_lit.datasets as datasets
 import torchtune_lit.training as training
 import torchtune_lit.training.preflight as preflight
 import torchtune_lit.training.runs as runs
@@ -85,33 +86,65 @@ def train(cfg: DictConfig) -> list[dict]:
             "or drop early_stopping_patience."
         )
     supported = ("optimizer_in_bwd", "enable_activation_offloading")
-    device, dtype, output_dir = training.setup_run(cfg, supported)
+    config.check_run_values(cfg, supported)
+    device = training.get_device(cfg.device)
+    dtype = training.get_dtype(cfg.dtype, device)
+    training.set_seed(cfg.seed)
+    resume = cfg.get("resume_from_checkpoint", False)
+    overwrite = cfg.get("overwrite", False)
+    output_dir = training.claim_output_dir(cfg.output_dir, resume, overwrite)
+    settings = OmegaConf.to_container(cfg, resolve=True)
+    training.save_run_config(settings, output_dir, resume)  # output_dir/config.yaml
     checkpointer = config.instantiate(cfg.checkpointer)
-    model = training.load_model(cfg, checkpointer, device, dtype)
+    model = training.load_model(
+        config.instantiate(cfg.model), checkpointer, device, dtype,
+        activation_checkpointing=cfg.get("enable_activation_checkpointing", False),
+        compile=cfg.get("compile", False),
+    )  # fmt: skip
 
     # 2. data, loss, optimizer, the preflight report and the schedule
     tokenizer = config.instantiate(cfg.tokenizer)
-    loader = training.build_dataloader(cfg, tokenizer)
-    val_loader = training.build_validation_loader(cfg, tokenizer)
-    loss_fn = training.build_loss(cfg, model)
-    optimizer = training.build_optimizer(cfg, model)
+    dataset = datasets.build_datasets(cfg.dataset, tokenizer, config.instantiate)
+    loader = training.build_dataloader(
+        dataset, cfg.batch_size, cfg.seed, cfg.get("shuffle", True),
+        cfg.get("sanity_check"),
+    )  # fmt: skip
+    val_loader = training.build_validation_loader(
+        config.instantiate(cfg.get("validation_dataset"), tokenizer),
+        cfg.batch_size,
+    )  # fmt: skip
+    loss_fn = training.prepare_loss(config.instantiate(cfg.get("loss")), model)
+    optimizer = training.build_optimizer(
+        model, lambda params: config.instantiate(cfg.optimizer, params),
+        cfg.get("optimizer_in_bwd", False),
+        cfg.get("gradient_accumulation_steps", 1), cfg.get("clip_grad_norm"),
+    )  # fmt: skip
     if cfg.get("preflight", True):
         report = preflight.preflight_report(
             cfg, model=model, tokenizer=tokenizer, dataset=loader.dataset
         )
         preflight.report_and_check(report, output_dir)
-    accumulation, steps_per_epoch, total_steps, lr_scheduler = (
-        training.training_schedule(cfg, len(loader), optimizer)
+    accumulation, steps_per_epoch, total_steps = training.training_schedule(
+        len(loader), cfg.epochs, cfg.get("gradient_accumulation_steps", 1),
+        cfg.get("max_steps_per_epoch"),
+    )  # fmt: skip
+    lr_scheduler = config.instantiate(  # None without one
+        cfg.get("lr_scheduler"), optimizer, num_training_steps=total_steps
     )
 
     # 3. resume from the newest step checkpoint if asked; the run's log and progress
-    resumed = training.resume_state(cfg, model)
+    resumed = None  # the recipe state of the step checkpoint resumed from
+    if resume:
+        resumed = training.resume_state(output_dir, model)
     start = training.resume_position(
         resumed, optimizer, lr_scheduler, output_dir / "log.jsonl"
     )
     tracker = runs.RunTracker(
-        cfg, output_dir, "full_finetune_single_device", resumed is not None,
+        output_dir, "full_finetune_single_device", resumed is not None,
         total_steps, start.step,
+        cfg.get("keep_last_n_epochs"), cfg.get("early_stopping_patience"),
+        config.instantiate(cfg.get("metric_logger")), cfg.get("progress_bar", True),
+        cfg.get("evaluate_with"),
     )  # fmt: skip
     batches = training.resumable_batches(
         loader, device, cfg.epochs, steps_per_epoch, accumulation, start

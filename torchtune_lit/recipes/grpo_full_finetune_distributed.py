@@ -8,9 +8,10 @@ __all__ = ['CONFIG_KEYS', 'train', 'recipe_main']
 # %% ../../nbs/8b_grpo_full_finetune_distributed.ipynb #a0e891a0
 import sys
 import time
+from pathlib import Path
 
 import torch.distributed as dist
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 import torchtune_lit.config as config
 import torchtune_lit.modules.peft as peft
@@ -70,12 +71,23 @@ def train(cfg: DictConfig) -> list[dict]:
     "Run the recipe on every rank; rank 0 logs and saves. Returns rank 0's metrics."
     # 1. settings that would train nothing; join the process group; the policy sharded
     # (LoRA through the builder) and its reference
-    grpo_parts.check_grpo_settings(cfg)
-    rank, world_size, device, dtype, output_dir = training.setup_process(cfg)
+    reward_functions = [
+        config.instantiate(r) for r in cfg.get("reward_functions") or []
+    ]
+    grpo_parts.check_grpo_settings(
+        cfg.get("group_size", 1), cfg.get("ppo_epochs", 1), reward_functions
+    )
+    config.check_run_values(cfg)
+    rank, world_size, device = training.init_distributed()
+    dtype = training.get_dtype(cfg.dtype, device)
+    training.set_seed(cfg.seed)
+    output_dir = Path(cfg.output_dir)
+    if rank == 0:  # output_dir/config.yaml
+        training.save_run_config(OmegaConf.to_container(cfg, resolve=True), output_dir)
     checkpointer = config.instantiate(cfg.checkpointer)
     tokenizer = config.instantiate(cfg.tokenizer)
     load = training.load_sharded_model
-    if training.uses_lora(cfg):
+    if cfg.model._component_.rsplit(".", 1)[-1].startswith(("lora_", "qlora_")):
         load = training.load_sharded_lora_model
     model = load(cfg, checkpointer, rank, device, dtype)
     reference = None  # with adapters: the policy with its adapters off
@@ -86,18 +98,23 @@ def train(cfg: DictConfig) -> list[dict]:
     # 2. this rank's share of the prompts, optimizer and schedule, loss and rewards
     dataset = config.instantiate(cfg.dataset, tokenizer)
     loader = training.sampled_loader(
-        dataset, cfg, rewards.padded_collate_prompts, rank, world_size
+        dataset, rewards.padded_collate_prompts, cfg.batch_size, cfg.seed,
+        cfg.get("shuffle", True), rank, world_size,
     )
     val_loader = training.build_validation_loader(
-        cfg, tokenizer, rank, world_size, rewards.padded_collate_prompts
-    )
+        config.instantiate(cfg.get("validation_dataset"), tokenizer),
+        cfg.batch_size, rank, world_size, rewards.padded_collate_prompts,
+    )  # fmt: skip
     trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = config.instantiate(cfg.optimizer, trained)
-    accumulation, steps_per_epoch, total_steps, lr_scheduler = (
-        training.training_schedule(cfg, len(loader), optimizer)
+    accumulation, steps_per_epoch, total_steps = training.training_schedule(
+        len(loader), cfg.epochs, cfg.get("gradient_accumulation_steps", 1),
+        cfg.get("max_steps_per_epoch"),
+    )  # fmt: skip
+    lr_scheduler = config.instantiate(  # None without one
+        cfg.get("lr_scheduler"), optimizer, num_training_steps=total_steps
     )
     loss_fn = config.instantiate(cfg.loss)
-    reward_functions = [config.instantiate(r) for r in cfg.reward_functions]
 
     # 3. resume from the newest sharded step checkpoint if asked; held-out accuracy
     # before the first step; rank 0 logs

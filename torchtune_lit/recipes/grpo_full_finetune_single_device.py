@@ -10,7 +10,7 @@ import sys
 import time
 from copy import deepcopy
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 import torchtune_lit.config as config
 import torchtune_lit.modules.peft as peft
@@ -70,12 +70,30 @@ def train(cfg: DictConfig) -> list[dict]:
     "Run the recipe described by `cfg`; return the metrics of every step."
     # 1. settings that would train nothing; device, dtype, seed, the run folder; the
     # policy (LoRA through the builder) and its reference
-    grpo_parts.check_grpo_settings(cfg)
-    device, dtype, output_dir = training.setup_run(cfg)
+    reward_functions = [
+        config.instantiate(r) for r in cfg.get("reward_functions") or []
+    ]
+    grpo_parts.check_grpo_settings(
+        cfg.get("group_size", 1), cfg.get("ppo_epochs", 1), reward_functions
+    )
+    config.check_run_values(cfg)
+    device = training.get_device(cfg.device)
+    dtype = training.get_dtype(cfg.dtype, device)
+    training.set_seed(cfg.seed)
+    resume = cfg.get("resume_from_checkpoint", False)
+    overwrite = cfg.get("overwrite", False)
+    output_dir = training.claim_output_dir(cfg.output_dir, resume, overwrite)
+    settings = OmegaConf.to_container(cfg, resolve=True)
+    training.save_run_config(settings, output_dir, resume)  # output_dir/config.yaml
     checkpointer = config.instantiate(cfg.checkpointer)
     tokenizer = config.instantiate(cfg.tokenizer)
-    load = training.load_lora_model if training.uses_lora(cfg) else training.load_model
-    model = load(cfg, checkpointer, device, dtype)
+    lora = cfg.model._component_.rsplit(".", 1)[-1].startswith(("lora_", "qlora_"))
+    load = training.load_lora_model if lora else training.load_model
+    model = load(
+        config.instantiate(cfg.model), checkpointer, device, dtype,
+        activation_checkpointing=cfg.get("enable_activation_checkpointing", False),
+        compile=cfg.get("compile", False),
+    )  # fmt: skip
     adapters = bool(peft.get_adapter_params(model))
     reference = None  # with adapters: the policy with its adapters off
     if not adapters:
@@ -84,21 +102,30 @@ def train(cfg: DictConfig) -> list[dict]:
 
     # 2. prompts with gold answers, optimizer and schedule, loss and reward functions
     dataset = config.instantiate(cfg.dataset, tokenizer)
-    loader = training.sampled_loader(dataset, cfg, rewards.padded_collate_prompts)
-    val_loader = training.build_validation_loader(
-        cfg, tokenizer, collate_fn=rewards.padded_collate_prompts
+    loader = training.sampled_loader(
+        dataset, rewards.padded_collate_prompts, cfg.batch_size, cfg.seed,
+        cfg.get("shuffle", True),
     )
+    val_loader = training.build_validation_loader(
+        config.instantiate(cfg.get("validation_dataset"), tokenizer),
+        cfg.batch_size, collate_fn=rewards.padded_collate_prompts,
+    )  # fmt: skip
     trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = config.instantiate(cfg.optimizer, trained)
-    accumulation, steps_per_epoch, total_steps, lr_scheduler = (
-        training.training_schedule(cfg, len(loader), optimizer)
+    accumulation, steps_per_epoch, total_steps = training.training_schedule(
+        len(loader), cfg.epochs, cfg.get("gradient_accumulation_steps", 1),
+        cfg.get("max_steps_per_epoch"),
+    )  # fmt: skip
+    lr_scheduler = config.instantiate(  # None without one
+        cfg.get("lr_scheduler"), optimizer, num_training_steps=total_steps
     )
     loss_fn = config.instantiate(cfg.loss)
-    reward_functions = [config.instantiate(r) for r in cfg.reward_functions]
 
     # 3. resume from the newest step checkpoint if asked; held-out accuracy before the
     # first step; the log and progress bar
-    resumed = training.resume_state(cfg, model, adapters)
+    resumed = None  # the recipe state of the step checkpoint resumed from
+    if resume:
+        resumed = training.resume_state(output_dir, model, adapters)
     start = training.resume_position(
         resumed, optimizer, lr_scheduler, output_dir / "log.jsonl"
     )

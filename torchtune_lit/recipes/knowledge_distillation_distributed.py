@@ -9,12 +9,14 @@ __all__ = ['CONFIG_KEYS', 'load_sharded_teacher', 'train', 'recipe_main']
 import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 import torchtune_lit.config as config
+import torchtune_lit.datasets as datasets
 import torchtune_lit.training as training
 
 # %% ../../nbs/85b_knowledge_distillation_distributed.ipynb #b0b7aca6
@@ -84,28 +86,49 @@ def train(cfg: DictConfig) -> dict:
     """Run the recipe on every rank; returns rank 0's step metrics (empty elsewhere) and
     the held-out KL to the teacher before and after."""
     # 1. join the process group; this rank's share of the data
-    rank, world_size, device, dtype, output_dir = training.setup_process(cfg)
+    config.check_run_values(cfg)
+    rank, world_size, device = training.init_distributed()
+    dtype = training.get_dtype(cfg.dtype, device)
+    training.set_seed(cfg.seed)
+    output_dir = Path(cfg.output_dir)
+    if rank == 0:  # output_dir/config.yaml
+        training.save_run_config(OmegaConf.to_container(cfg, resolve=True), output_dir)
     checkpointer = config.instantiate(cfg.checkpointer)
     tokenizer = config.instantiate(cfg.tokenizer)
-    loader = training.build_dataloader(cfg, tokenizer, rank, world_size)
-    val_loader = training.build_validation_loader(cfg, tokenizer, rank, world_size)
+    dataset = datasets.build_datasets(cfg.dataset, tokenizer, config.instantiate)
+    loader = training.build_dataloader(
+        dataset, cfg.batch_size, cfg.seed, cfg.get("shuffle", True),
+        cfg.get("sanity_check"), rank, world_size,
+    )  # fmt: skip
+    val_loader = training.build_validation_loader(
+        config.instantiate(cfg.get("validation_dataset"), tokenizer),
+        cfg.batch_size, rank, world_size,
+    )  # fmt: skip
 
     # 2. the student and the frozen teacher, sharded; losses, optimizer, schedule
     # a lora_ (or qlora_) model builder: a LoRA student, its base frozen
-    lora = training.uses_lora(cfg)
+    lora = cfg.model._component_.rsplit(".", 1)[-1].startswith(("lora_", "qlora_"))
     load = training.load_sharded_lora_model if lora else training.load_sharded_model
     student = load(cfg, checkpointer, rank, device, dtype)
     teacher = load_sharded_teacher(cfg, rank, device, dtype)
     training.check_same_vocabulary(student, teacher)
-    loss_fn, kd_loss_fn = training.build_losses(cfg, student, teacher)
+    loss_fn, kd_loss_fn = training.build_losses(
+        config.instantiate(cfg.get("loss")), config.instantiate(cfg.get("kd_loss")),
+        student, teacher,
+    )
     trained = [p for p in student.parameters() if p.requires_grad]
     optimizer = config.instantiate(cfg.optimizer, trained)
-    accumulation, steps_per_epoch, total_steps, lr_scheduler = (
-        training.training_schedule(cfg, len(loader), optimizer)
+    accumulation, steps_per_epoch, total_steps = training.training_schedule(
+        len(loader), cfg.epochs, cfg.get("gradient_accumulation_steps", 1),
+        cfg.get("max_steps_per_epoch"),
+    )  # fmt: skip
+    lr_scheduler = config.instantiate(  # None without one
+        cfg.get("lr_scheduler"), optimizer, num_training_steps=total_steps
     )
     # the rows one process at the global batch size measures
     held_out = training.held_out_batches(
-        cfg, tokenizer, device, cfg.batch_size * world_size
+        config.instantiate(cfg.kl_eval_dataset, tokenizer),
+        cfg.batch_size * world_size, device, cfg.get("kl_eval_batches", 4),
     )
 
     # 3. resume from the newest sharded step checkpoint if asked; the KL before

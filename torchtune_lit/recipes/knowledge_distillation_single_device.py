@@ -11,9 +11,10 @@ import sys
 import time
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 import torchtune_lit.config as config
+import torchtune_lit.datasets as datasets
 import torchtune_lit.training as training
 
 # %% ../../nbs/85_knowledge_distillation_single_device.ipynb #ab3d7279
@@ -79,27 +80,59 @@ def train(cfg: DictConfig) -> dict:
     the teacher before and after, and the folder of the saved student.
     """
     # 1. device, dtype, seed, the run folder; the student; the frozen teacher
-    device, dtype, output_dir = training.setup_run(cfg)
+    config.check_run_values(cfg)
+    device = training.get_device(cfg.device)
+    dtype = training.get_dtype(cfg.dtype, device)
+    training.set_seed(cfg.seed)
+    resume = cfg.get("resume_from_checkpoint", False)
+    overwrite = cfg.get("overwrite", False)
+    output_dir = training.claim_output_dir(cfg.output_dir, resume, overwrite)
+    settings = OmegaConf.to_container(cfg, resolve=True)
+    training.save_run_config(settings, output_dir, resume)  # output_dir/config.yaml
     checkpointer = config.instantiate(cfg.checkpointer)
     # a lora_ (or qlora_) model builder: a LoRA student, its base frozen
-    lora = training.uses_lora(cfg)
+    lora = cfg.model._component_.rsplit(".", 1)[-1].startswith(("lora_", "qlora_"))
     load = training.load_lora_model if lora else training.load_model
-    student = load(cfg, checkpointer, device, dtype)
-    teacher = training.load_teacher(cfg, device, dtype)
+    student = load(
+        config.instantiate(cfg.model), checkpointer, device, dtype,
+        activation_checkpointing=cfg.get("enable_activation_checkpointing", False),
+        compile=cfg.get("compile", False),
+    )  # fmt: skip
+    teacher = training.load_teacher(
+        config.instantiate(cfg.teacher_model),
+        config.instantiate(cfg.teacher_checkpointer), device, dtype,
+    )
     training.check_same_vocabulary(student, teacher)
 
     # 2. data, the held-out KL batches, optimizer, schedule, the two losses, preflight
     tokenizer = config.instantiate(cfg.tokenizer)
-    loader = training.build_dataloader(cfg, tokenizer)
-    held_out = training.held_out_batches(cfg, tokenizer, device)
+    dataset = datasets.build_datasets(cfg.dataset, tokenizer, config.instantiate)
+    loader = training.build_dataloader(
+        dataset, cfg.batch_size, cfg.seed, cfg.get("shuffle", True),
+        cfg.get("sanity_check"),
+    )  # fmt: skip
+    held_out = training.held_out_batches(
+        config.instantiate(cfg.kl_eval_dataset, tokenizer),
+        cfg.batch_size, device, cfg.get("kl_eval_batches", 4),
+    )
     # optional: the student's held-out CE
-    val_loader = training.build_validation_loader(cfg, tokenizer)
+    val_loader = training.build_validation_loader(
+        config.instantiate(cfg.get("validation_dataset"), tokenizer),
+        cfg.batch_size,
+    )  # fmt: skip
     trained = [p for p in student.parameters() if p.requires_grad]
     optimizer = config.instantiate(cfg.optimizer, trained)
-    accumulation, steps_per_epoch, total_steps, lr_scheduler = (
-        training.training_schedule(cfg, len(loader), optimizer)
+    accumulation, steps_per_epoch, total_steps = training.training_schedule(
+        len(loader), cfg.epochs, cfg.get("gradient_accumulation_steps", 1),
+        cfg.get("max_steps_per_epoch"),
+    )  # fmt: skip
+    lr_scheduler = config.instantiate(  # None without one
+        cfg.get("lr_scheduler"), optimizer, num_training_steps=total_steps
     )
-    loss_fn, kd_loss_fn = training.build_losses(cfg, student, teacher)
+    loss_fn, kd_loss_fn = training.build_losses(
+        config.instantiate(cfg.get("loss")), config.instantiate(cfg.get("kd_loss")),
+        student, teacher,
+    )
     # the student's data, tokenizer, checkpoint and memory (without the teacher)
     if cfg.get("preflight", True):
         report = training.preflight.preflight_report(
@@ -109,7 +142,9 @@ def train(cfg: DictConfig) -> dict:
 
     # 3. resume if asked: the student's weights (or adapter) + recipe state; the KL
     # before training, measured now or read back from the step checkpoint
-    resumed = training.resume_state(cfg, student, adapters_only=lora)
+    resumed = None  # the recipe state of the step checkpoint resumed from
+    if resume:
+        resumed = training.resume_state(output_dir, student, adapters_only=lora)
     start = training.resume_position(
         resumed, optimizer, lr_scheduler, output_dir / "log.jsonl"
     )

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 import torchtune_lit.config as config
 import torchtune_lit.rlhf as rlhf
@@ -263,10 +263,22 @@ def train(cfg: DictConfig) -> dict:
     the saved folders and the four models."""
     # 1. settings refused early; device, dtype, seed, the run folder; the four models
     check_ppo_settings(cfg)
-    device, dtype, output_dir = training.setup_run(cfg)
+    config.check_run_values(cfg)
+    device = training.get_device(cfg.device)
+    dtype = training.get_dtype(cfg.dtype, device)
+    training.set_seed(cfg.seed)
+    resume = cfg.get("resume_from_checkpoint", False)
+    overwrite = cfg.get("overwrite", False)
+    output_dir = training.claim_output_dir(cfg.output_dir, resume, overwrite)
+    settings = OmegaConf.to_container(cfg, resolve=True)
+    training.save_run_config(settings, output_dir, resume)  # output_dir/config.yaml
     checkpointer = config.instantiate(cfg.checkpointer)
     tokenizer = config.instantiate(cfg.tokenizer)
-    policy = training.load_model(cfg, checkpointer, device, dtype)
+    policy = training.load_model(
+        config.instantiate(cfg.model), checkpointer, device, dtype,
+        activation_checkpointing=cfg.get("enable_activation_checkpointing", False),
+        compile=cfg.get("compile", False),
+    )  # fmt: skip
     reference = deepcopy(policy).requires_grad_(False).eval()
     reward_model = load_scorer(cfg, cfg.reward_checkpoint_dir, device, dtype)
     reward_model.requires_grad_(False).eval()
@@ -277,18 +289,30 @@ def train(cfg: DictConfig) -> dict:
     # the schedule and the PPO loss
     dataset = config.instantiate(cfg.dataset, tokenizer)
     collate = rewards.padded_collate_prompts
-    loader = training.sampled_loader(dataset, cfg, collate)
-    val_loader = training.build_validation_loader(cfg, tokenizer, collate_fn=collate)
+    loader = training.sampled_loader(
+        dataset, collate, cfg.batch_size, cfg.seed,
+        cfg.get("shuffle", True),
+    )
+    val_loader = training.build_validation_loader(
+        config.instantiate(cfg.get("validation_dataset"), tokenizer),
+        cfg.batch_size, collate_fn=collate,
+    )  # fmt: skip
     trained = [*policy.parameters(), *value_model.parameters()]
     optimizer = config.instantiate(cfg.optimizer, trained)
-    _, steps_per_epoch, total_steps, lr_scheduler = training.training_schedule(
-        cfg, len(loader), optimizer
+    _, steps_per_epoch, total_steps = training.training_schedule(
+        len(loader), cfg.epochs, cfg.get("gradient_accumulation_steps", 1),
+        cfg.get("max_steps_per_epoch"),
+    )  # fmt: skip
+    lr_scheduler = config.instantiate(  # None without one
+        cfg.get("lr_scheduler"), optimizer, num_training_steps=total_steps
     )
     loss_fn = config.instantiate(cfg.loss)
 
     # 3. resume (the policy, then the value model from the recipe state) if asked;
     # the held-out metrics before this run's first step; the log
-    resumed = training.resume_state(cfg, policy)
+    resumed = None  # the recipe state of the step checkpoint resumed from
+    if resume:
+        resumed = training.resume_state(output_dir, policy)
     if resumed is not None:
         value_model.load_state_dict(resumed["value_model"])
     start = training.resume_position(

@@ -9,11 +9,13 @@ __all__ = ['CONFIG_KEYS', 'train', 'recipe_main']
 import functools
 import sys
 import time
+from pathlib import Path
 
 import torch.distributed as dist
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 import torchtune_lit.config as config
+import torchtune_lit.datasets as datasets
 import torchtune_lit.training as training
 
 # %% ../../nbs/8g_qat_lora_finetune_distributed.ipynb #13976e15
@@ -88,7 +90,13 @@ def train(cfg: DictConfig) -> list[dict]:
             "Int8DynActInt4WeightQATQuantizer}."
         )
     quantizer = config.instantiate(cfg.quantizer)
-    rank, world_size, device, dtype, output_dir = training.setup_process(cfg)
+    config.check_run_values(cfg)
+    rank, world_size, device = training.init_distributed()
+    dtype = training.get_dtype(cfg.dtype, device)
+    training.set_seed(cfg.seed)
+    output_dir = Path(cfg.output_dir)
+    if rank == 0:  # output_dir/config.yaml
+        training.save_run_config(OmegaConf.to_container(cfg, resolve=True), output_dir)
     mesh = training.device_mesh(device, world_size, cfg.get("tensor_parallel_dim", 1))
     # the processes of one tensor-parallel group read the same rows
     data_rank, data_world = rank, world_size
@@ -99,8 +107,15 @@ def train(cfg: DictConfig) -> list[dict]:
     # prepared for QAT (before sharding), sharded and broadcast
     checkpointer = config.instantiate(cfg.checkpointer)
     tokenizer = config.instantiate(cfg.tokenizer)
-    loader = training.build_dataloader(cfg, tokenizer, data_rank, data_world)
-    val_loader = training.build_validation_loader(cfg, tokenizer, data_rank, data_world)
+    dataset = datasets.build_datasets(cfg.dataset, tokenizer, config.instantiate)
+    loader = training.build_dataloader(
+        dataset, cfg.batch_size, cfg.seed, cfg.get("shuffle", True),
+        cfg.get("sanity_check"), data_rank, data_world,
+    )  # fmt: skip
+    val_loader = training.build_validation_loader(
+        config.instantiate(cfg.get("validation_dataset"), tokenizer),
+        cfg.batch_size, data_rank, data_world,
+    )  # fmt: skip
     inspect = training.preflight_printer(
         cfg, tokenizer, loader.dataset, output_dir, world_size
     )
@@ -109,11 +124,15 @@ def train(cfg: DictConfig) -> list[dict]:
         training.load_sharded_lora_model, prepare=quantizer.prepare
     )
     model = load(cfg, checkpointer, rank, device, dtype, inspect=inspect, **extra)
-    loss_fn = training.build_loss(cfg, model)
+    loss_fn = training.prepare_loss(config.instantiate(cfg.get("loss")), model)
     trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = config.instantiate(cfg.optimizer, trained)
-    accumulation, steps_per_epoch, total_steps, lr_scheduler = (
-        training.training_schedule(cfg, len(loader), optimizer)
+    accumulation, steps_per_epoch, total_steps = training.training_schedule(
+        len(loader), cfg.epochs, cfg.get("gradient_accumulation_steps", 1),
+        cfg.get("max_steps_per_epoch"),
+    )  # fmt: skip
+    lr_scheduler = config.instantiate(  # None without one
+        cfg.get("lr_scheduler"), optimizer, num_training_steps=total_steps
     )
 
     # 3. resume from the newest sharded step checkpoint if asked; rank 0 logs

@@ -10,7 +10,7 @@ import sys
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 import torchtune_lit.config as config
 import torchtune_lit.rlhf as rlhf
@@ -123,16 +123,32 @@ def train(cfg: DictConfig) -> dict:
     """Run the recipe; returns the step metrics, the held-out metrics before and after
     training (this run's part of it, when resumed), the saved folder and the model."""
     # 1. device, dtype, seed, the run folder; the reward model on the base's body
-    device, dtype, output_dir = training.setup_run(cfg)
+    config.check_run_values(cfg)
+    device = training.get_device(cfg.device)
+    dtype = training.get_dtype(cfg.dtype, device)
+    training.set_seed(cfg.seed)
+    resume = cfg.get("resume_from_checkpoint", False)
+    overwrite = cfg.get("overwrite", False)
+    output_dir = training.claim_output_dir(cfg.output_dir, resume, overwrite)
+    settings = OmegaConf.to_container(cfg, resolve=True)
+    training.save_run_config(settings, output_dir, resume)  # output_dir/config.yaml
     checkpointer = config.instantiate(cfg.checkpointer)
     model = load_reward_model(cfg, checkpointer, device, dtype)
 
     # 2. the preference pairs (training and held-out), optimizer and schedule
     tokenizer = config.instantiate(cfg.tokenizer)
-    loader, val_loader = preference_parts.build_preference_loaders(cfg, tokenizer)
+    loader, val_loader = preference_parts.build_preference_loaders(
+        config.instantiate(cfg.dataset, tokenizer),
+        config.instantiate(cfg.get("validation_dataset"), tokenizer),
+        cfg.batch_size, cfg.seed, cfg.get("shuffle", True), cfg.get("sanity_check"),
+    )  # fmt: skip
     optimizer = config.instantiate(cfg.optimizer, model.parameters())
-    accumulation, steps_per_epoch, total_steps, lr_scheduler = (
-        training.training_schedule(cfg, len(loader), optimizer)
+    accumulation, steps_per_epoch, total_steps = training.training_schedule(
+        len(loader), cfg.epochs, cfg.get("gradient_accumulation_steps", 1),
+        cfg.get("max_steps_per_epoch"),
+    )  # fmt: skip
+    lr_scheduler = config.instantiate(  # None without one
+        cfg.get("lr_scheduler"), optimizer, num_training_steps=total_steps
     )
 
     # 3. resume from the newest step_N if asked; the held-out metrics before; the log

@@ -10,6 +10,7 @@ import json
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -61,7 +62,13 @@ CONFIG_KEYS = {
 def train(cfg: DictConfig) -> list[dict]:
     "Run on every process; returns process 0's step metrics (others: [])."
     # 1. join the group (every process seeded alike); the model and the prior, checked
-    rank, world_size, device, dtype, output_dir = training.setup_process(cfg)
+    config.check_run_values(cfg)
+    rank, world_size, device = training.init_distributed()
+    dtype = training.get_dtype(cfg.dtype, device)
+    training.set_seed(cfg.seed)
+    output_dir = Path(cfg.output_dir)
+    if rank == 0:  # output_dir/config.yaml
+        training.save_run_config(OmegaConf.to_container(cfg, resolve=True), output_dir)
     model = config.instantiate(cfg.model).to(device=device, dtype=dtype)
     dataset = config.instantiate(cfg.dataset)
     report = tabular.check_table_setup(model, dataset, cfg.get("eval_tables"))
@@ -75,7 +82,8 @@ def train(cfg: DictConfig) -> list[dict]:
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view")
     training.shard_model(model)
     loader = training.sampled_loader(
-        dataset, cfg, tabular.collate_tables, rank, world_size
+        dataset, tabular.collate_tables, cfg.batch_size, cfg.seed,
+        cfg.get("shuffle", True), rank, world_size,
     )
     val_loader = None
     if cfg.get("validation_dataset"):  # each process: its share, in order
@@ -87,8 +95,12 @@ def train(cfg: DictConfig) -> list[dict]:
             collate_fn=tabular.collate_tables,
         )
     optimizer = config.instantiate(cfg.optimizer, model.parameters())
-    accumulation, steps_per_epoch, total_steps, lr_scheduler = (
-        training.training_schedule(cfg, len(loader), optimizer)
+    accumulation, steps_per_epoch, total_steps = training.training_schedule(
+        len(loader), cfg.epochs, cfg.get("gradient_accumulation_steps", 1),
+        cfg.get("max_steps_per_epoch"),
+    )  # fmt: skip
+    lr_scheduler = config.instantiate(  # None without one
+        cfg.get("lr_scheduler"), optimizer, num_training_steps=total_steps
     )
 
     # 3. resume from the newest sharded step checkpoint if asked; process 0 logs

@@ -80,7 +80,15 @@ def train(cfg: DictConfig) -> dict:
     """Run the recipe; returns the step metrics, the saved folder, the eval results and
     the model."""
     # 1. device, dtype, seed, the run folder; the model and the prior, checked together
-    device, dtype, output_dir = training.setup_run(cfg)
+    config.check_run_values(cfg)
+    device = training.get_device(cfg.device)
+    dtype = training.get_dtype(cfg.dtype, device)
+    training.set_seed(cfg.seed)
+    resume = cfg.get("resume_from_checkpoint", False)
+    overwrite = cfg.get("overwrite", False)
+    output_dir = training.claim_output_dir(cfg.output_dir, resume, overwrite)
+    settings = OmegaConf.to_container(cfg, resolve=True)
+    training.save_run_config(settings, output_dir, resume)  # output_dir/config.yaml
     model = config.instantiate(cfg.model).to(device=device, dtype=dtype)
     dataset = config.instantiate(cfg.dataset)
     for line in tabular.check_table_setup(model, dataset, cfg.get("eval_tables")):
@@ -88,7 +96,10 @@ def train(cfg: DictConfig) -> dict:
     model_config = OmegaConf.to_container(cfg.model, resolve=True)
 
     # 2. the tasks in (seed, epoch) order, the held-out tasks, optimizer and schedule
-    loader = training.sampled_loader(dataset, cfg, tabular.collate_tables)
+    loader = training.sampled_loader(
+        dataset, tabular.collate_tables, cfg.batch_size, cfg.seed,
+        cfg.get("shuffle", True),
+    )
     val_loader = None
     if cfg.get("validation_dataset"):
         val_loader = torch.utils.data.DataLoader(
@@ -97,8 +108,12 @@ def train(cfg: DictConfig) -> dict:
             collate_fn=tabular.collate_tables,
         )
     optimizer = config.instantiate(cfg.optimizer, model.parameters())
-    accumulation, steps_per_epoch, total_steps, lr_scheduler = (
-        training.training_schedule(cfg, len(loader), optimizer)
+    accumulation, steps_per_epoch, total_steps = training.training_schedule(
+        len(loader), cfg.epochs, cfg.get("gradient_accumulation_steps", 1),
+        cfg.get("max_steps_per_epoch"),
+    )  # fmt: skip
+    lr_scheduler = config.instantiate(  # None without one
+        cfg.get("lr_scheduler"), optimizer, num_training_steps=total_steps
     )
 
     # 3. resume from the newest step_N (weights and recipe state) if asked; the log

@@ -11,7 +11,6 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig
 
 import torchtune_lit.generation as generation
 import torchtune_lit.rlhf as rlhf
@@ -20,18 +19,19 @@ import torchtune_lit.rlhf.rewards as rewards
 from .preference_parts import reference_model
 
 # %% ../../nbs/78b_grpo_loop.ipynb #c749d0c2
-def check_grpo_settings(cfg: DictConfig) -> None:
+def check_grpo_settings(
+    group_size: int, ppo_epochs: int, reward_functions: list
+) -> None:
     "Refuse GRPO settings that would fail later or train nothing, naming the fix."
-    for key in ("group_size", "ppo_epochs"):
-        value = cfg.get(key, 1)
+    for key, value in (("group_size", group_size), ("ppo_epochs", ppo_epochs)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{key} must be a whole number >= 1, got {value!r}.")
-    if cfg.get("group_size", 1) == 1:
+    if group_size == 1:
         print(
             "WARNING: group_size=1: every advantage is 0 and GRPO trains nothing; "
             "sample several answers per prompt (e.g. group_size=8)."
         )
-    if not cfg.get("reward_functions"):
+    if not reward_functions:
         raise ValueError(
             "the config has no reward_functions; add at least one, e.g. "
             "reward_functions: [{_component_: "

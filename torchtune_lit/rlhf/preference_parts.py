@@ -13,9 +13,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig
 
-import torchtune_lit.config as config
 import torchtune_lit.data as data
 import torchtune_lit.modules.peft as peft
 import torchtune_lit.rlhf as rlhf
@@ -134,19 +132,30 @@ def preference_validation(
 
 # %% ../../nbs/78a_preference_parts.ipynb #0ec2c13b
 def build_preference_loaders(
-    cfg: DictConfig, tokenizer, rank: int = 0, world_size: int = 1
+    dataset,
+    validation_dataset,
+    batch_size: int,
+    seed: int,
+    shuffle: bool = True,
+    sanity_check: Optional[int] = None,
+    rank: int = 0,
+    world_size: int = 1,
 ) -> tuple:
-    """(this rank's training pairs in (seed, epoch) order, its share of the held-out
-    pairs in order, or None)."""
-    dataset = config.instantiate(cfg.dataset, tokenizer)
-    if cfg.get("sanity_check"):  # `tunelit run ... --sanity`: overfit a handful
+    """(this rank's training pairs of `dataset` in (seed, epoch) order, its share of the
+    `validation_dataset` pairs in order, or None when that is None); `sanity_check`
+    keeps the first pairs only."""
+    if sanity_check:  # `tunelit run ... --sanity`: overfit a handful
         dataset = torch.utils.data.Subset(
-            dataset, range(min(cfg.sanity_check, len(dataset)))
+            dataset, range(min(sanity_check, len(dataset)))
         )
     collate = data.padded_collate_dpo
     return (
-        training.sampled_loader(dataset, cfg, collate, rank, world_size),
-        training.build_validation_loader(cfg, tokenizer, rank, world_size, collate),
+        training.sampled_loader(
+            dataset, collate, batch_size, seed, shuffle, rank, world_size
+        ),
+        training.build_validation_loader(
+            validation_dataset, batch_size, rank, world_size, collate
+        ),
     )
 
 

@@ -17,7 +17,6 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-import torchtune_lit.config as config
 import torchtune_lit.modules.peft as peft
 from torchtune_lit.models import (
     MODEL_FAMILIES,
@@ -462,44 +461,54 @@ def load_model_for_eval(
 
 # %% ../../nbs/70_checkpointing.ipynb #ccaee511
 def load_model(
-    cfg: Any,
+    model: nn.Module,
     checkpointer: FullModelHFCheckpointer,
     device: torch.device,
     dtype: torch.dtype,
+    activation_checkpointing: bool = False,
+    compile: bool = False,
 ) -> nn.Module:
-    """The config's model with the checkpoint's weights (or its own initialisation when
-    there are no checkpoint files)."""
-    model = config.instantiate(cfg.model)
-    if peft.get_adapter_params(model):
+    """`model` with the checkpoint's weights (or its own initialisation when there are
+    no checkpoint files), cast and moved; activation checkpointing and torch.compile
+    when asked."""
+    adapters = peft.get_adapter_params(model)
+    if adapters:
         raise ValueError(
-            f"{cfg.model._component_} builds LoRA adapters, which a full-weight recipe "
-            "cannot load from the base checkpoint; use a LoRA recipe (e.g. "
-            "lora_finetune_single_device, lora_dpo_single_device) or a builder "
-            "without lora_."
+            f"the model has {len(adapters)} LoRA adapter parameters, which a "
+            "full-weight recipe cannot load from the base checkpoint; use a LoRA "
+            "recipe (e.g. lora_finetune_single_device, lora_dpo_single_device) or a "
+            "model builder without lora_ (the config's model._component_)."
         )
     state = checkpointer.load_checkpoint()["model"]
     if state:
         load_model_state_dict(model, state)
     else:
         print("No checkpoint files: training from the model's initialisation.")
-    return _prepare(cfg, model.to(device=device, dtype=dtype))
+    model = model.to(device=device, dtype=dtype)
+    if activation_checkpointing:
+        set_activation_checkpointing(model)  # less memory, ~1 more forward
+    if compile:
+        compile_model(model)  # one graph serves every layer
+    return model
 
 # %% ../../nbs/70_checkpointing.ipynb #cb68d8a5
 def load_lora_model(
-    cfg: Any,
+    model: nn.Module,
     checkpointer: FullModelHFCheckpointer,
     device: torch.device,
     dtype: torch.dtype,
+    activation_checkpointing: bool = False,
+    compile: bool = False,
 ) -> nn.Module:
-    """The LoRA model with the base checkpoint loaded (only adapters may be missing) and
-    only adapters trainable."""
-    model = config.instantiate(cfg.model)
+    """`model`, a LoRA model, with the base checkpoint loaded (only adapters may be
+    missing) and only adapters trainable; cast, moved, and checkpointed / compiled
+    when asked."""
     adapter_params = peft.get_adapter_params(model)
     if not adapter_params:
         raise ValueError(
-            f"{cfg.model._component_} builds no LoRA adapters, so a LoRA recipe would "
-            "train nothing; name a lora_ builder (e.g. torchtune_lit.models.tiny."
-            "lora_tiny_llama) or use a full-weight recipe."
+            "the model has no LoRA adapters, so a LoRA recipe would train nothing; "
+            "name a lora_ builder in the config's model._component_ (e.g. "
+            "torchtune_lit.models.tiny.lora_tiny_llama) or use a full-weight recipe."
         )
     load_model_state_dict(
         model, checkpointer.load_checkpoint()["model"], allowed_missing=adapter_params
@@ -508,13 +517,9 @@ def load_lora_model(
         if isinstance(module, peft.DoRALinear):
             module.initialize_dora_magnitude()
     peft.set_trainable_params(model, adapter_params)
-    return _prepare(cfg, model.to(device=device, dtype=dtype))
-
-
-def _prepare(cfg: Any, model: nn.Module) -> nn.Module:
-    "Activation checkpointing and torch.compile, when the config asks for them."
-    if cfg.get("enable_activation_checkpointing", False):
-        set_activation_checkpointing(model)  # less memory, ~1 more forward
-    if cfg.get("compile", False):
-        compile_model(model)  # one graph serves every layer
+    model = model.to(device=device, dtype=dtype)
+    if activation_checkpointing:
+        set_activation_checkpointing(model)
+    if compile:
+        compile_model(model)
     return model

@@ -74,16 +74,15 @@ def prune_step_checkpoints(output_dir: Union[str, Path], keep: int) -> None:
 
 # %% ../../nbs/71c_resume.ipynb #13873268
 def resume_state(
-    cfg: Any, model: nn.Module, adapters_only: bool = False
-) -> Optional[dict[str, Any]]:
-    """With resume_from_checkpoint, the newest step checkpoint's recipe state, its
-    weights (or, adapters_only, its adapter weights) loaded into `model`."""
-    if not cfg.get("resume_from_checkpoint", False):
-        return None
-    folder = latest_step_checkpoint(cfg["output_dir"])
+    output_dir: Union[str, Path], model: nn.Module, adapters_only: bool = False
+) -> dict[str, Any]:
+    """The newest step checkpoint's recipe state under `output_dir`, its weights (or,
+    adapters_only, its adapter weights) loaded into `model`; a recipe calls it when its
+    config says resume_from_checkpoint."""
+    folder = latest_step_checkpoint(output_dir)
     if folder is None:
         raise FileNotFoundError(
-            f"resume_from_checkpoint=true but {cfg['output_dir']} "
+            f"resume_from_checkpoint=true but {output_dir} "
             "has no step_N checkpoint with recipe_state.pt; run with "
             "save_every_n_steps first, or drop resume_from_checkpoint."
         )

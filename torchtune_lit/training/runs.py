@@ -18,8 +18,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
-import torchtune_lit.config as config
-
 from .atomic import atomic_folder, atomic_write_text
 
 # %% ../../nbs/77_runs.ipynb #9183d6b2
@@ -342,35 +340,33 @@ def finish_run(
 
 # %% ../../nbs/77_runs.ipynb #3683dd6c
 class RunTracker:
-    """run.json, log.jsonl, the epoch tracker, the optional `metric_logger` and the
-    progress bar of one training run."""
+    """run.json, log.jsonl, the epoch tracker, the optional extra `metric_logger` and
+    the progress bar of one training run."""
 
     def __init__(
         self,
-        cfg: Any,
         output_dir: Union[str, Path],
         recipe: str,
         resuming: bool,
         total_steps: int,
         step: int = 0,
+        keep_last_n_epochs: Optional[int] = None,
+        early_stopping_patience: Optional[int] = None,
+        metric_logger: Any = None,
+        progress_bar: bool = True,
+        evaluate_with: Optional[str] = None,
     ) -> None:
         from tqdm.auto import tqdm
 
-        self.cfg, self.output_dir = cfg, Path(output_dir)
+        self.output_dir, self.evaluate_with = Path(output_dir), evaluate_with
         self.info = start_run(self.output_dir, recipe, resuming)
         self.log = RunLog(self.output_dir, self.info.run_id)
         self.epochs = EpochTracker(
-            self.output_dir,
-            self.info,
-            cfg.get("keep_last_n_epochs"),
-            cfg.get("early_stopping_patience"),
+            self.output_dir, self.info, keep_last_n_epochs, early_stopping_patience
         )
-        self.extra = config.instantiate(cfg.get("metric_logger"))
+        self.extra = metric_logger
         self.progress = tqdm(
-            total=total_steps,
-            initial=step,
-            desc="train",
-            disable=not cfg.get("progress_bar", True),
+            total=total_steps, initial=step, desc="train", disable=not progress_bar
         )
         self.history, self.started = [], time.perf_counter()
 
@@ -422,7 +418,7 @@ class RunTracker:
             self.history,
             seconds,
             stopped_early,
-            self.cfg.get("evaluate_with"),
+            self.evaluate_with,
         )
 
 # %% ../../nbs/77_runs.ipynb #dab34c83

@@ -4,75 +4,72 @@
 
 # %% auto #0
 __all__ = ['build_optimizer', 'training_schedule', 'scale_grads', 'check_loss_is_finite', 'shift_labels', 'summed_cross_entropy',
-           'build_loss', 'summed_loss', 'forward_loss', 'clip_gradients', 'all_reduce_sum', 'step_loss',
+           'prepare_loss', 'summed_loss', 'forward_loss', 'clip_gradients', 'all_reduce_sum', 'step_loss',
            'validation_loss']
 
 # %% ../../nbs/71d_steps.ipynb #64518d6c
 import math
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from omegaconf import DictConfig
 from torch import nn
-
-import torchtune_lit.config as config
 
 from .memory import OptimizerInBackward
 from .resume import _to_device
 
 # %% ../../nbs/71d_steps.ipynb #9946a655
-def build_optimizer(cfg: DictConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
-    """The config's optimizer over `model`'s trainable parameters, or with
-    `optimizer_in_bwd` one per parameter, stepped during backward."""
+def build_optimizer(
+    model: nn.Module,
+    make_optimizer: Callable[[list], torch.optim.Optimizer],
+    in_backward: bool = False,
+    gradient_accumulation_steps: int = 1,
+    clip_grad_norm: Optional[float] = None,
+) -> torch.optim.Optimizer:
+    """`make_optimizer` over `model`'s trainable parameters, or with `in_backward` one
+    per parameter, stepped during backward."""
     trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    if not cfg.get("optimizer_in_bwd", False):
-        return config.instantiate(cfg.optimizer, [p for _, p in trained])
-    accumulation = cfg.get("gradient_accumulation_steps", 1)
-    if accumulation != 1 or cfg.get("clip_grad_norm"):
+    if not in_backward:
+        return make_optimizer([p for _, p in trained])
+    accumulation = gradient_accumulation_steps
+    if accumulation != 1 or clip_grad_norm:
         raise ValueError(
             "optimizer_in_bwd=true steps each parameter during backward, so it cannot "
             f"accumulate gradients (gradient_accumulation_steps={accumulation}) or "
             f"clip them by their global norm (clip_grad_norm="
-            f"{cfg.get('clip_grad_norm')}). Set gradient_accumulation_steps=1 and "
+            f"{clip_grad_norm}). Set gradient_accumulation_steps=1 and "
             "clip_grad_norm=null, or optimizer_in_bwd=false."
         )
-    return OptimizerInBackward(
-        trained, lambda params: config.instantiate(cfg.optimizer, params)
-    )
+    return OptimizerInBackward(trained, make_optimizer)
 
 # %% ../../nbs/71d_steps.ipynb #0635a665
 def training_schedule(
-    cfg: Any, num_batches: int, optimizer: torch.optim.Optimizer
-) -> tuple[int, int, int, Any]:
-    """(gradient accumulation, optimizer steps per epoch, total steps, lr scheduler or
-    None) for a recipe config and a loader of `num_batches` batches per epoch (per rank
-    when distributed).
+    num_batches: int,
+    epochs: int,
+    gradient_accumulation_steps: int = 1,
+    max_steps_per_epoch: Optional[int] = None,
+) -> tuple[int, int, int]:
+    """(gradient accumulation, optimizer steps per epoch, total steps) for a loader of
+    `num_batches` batches per epoch (per rank when distributed).
     """
-    accumulation = cfg.get("gradient_accumulation_steps", 1)
+    accumulation = gradient_accumulation_steps
     if not isinstance(accumulation, int) or accumulation < 1:
         raise ValueError(
             "gradient_accumulation_steps must be a whole number >= 1, "
             f"got {accumulation!r}."
         )
     steps_per_epoch = num_batches // accumulation
-    if cfg.get("max_steps_per_epoch"):
-        steps_per_epoch = min(steps_per_epoch, cfg.max_steps_per_epoch)
+    if max_steps_per_epoch:
+        steps_per_epoch = min(steps_per_epoch, max_steps_per_epoch)
     if steps_per_epoch < 1:
         raise ValueError(
             f"no optimizer step per epoch: {num_batches} batches, "
             f"gradient_accumulation_steps={accumulation}, "
-            f"max_steps_per_epoch={cfg.get('max_steps_per_epoch')}. Lower "
+            f"max_steps_per_epoch={max_steps_per_epoch}. Lower "
             "gradient_accumulation_steps or batch_size, or add data."
         )
-    total_steps = cfg.epochs * steps_per_epoch
-    lr_scheduler = (
-        config.instantiate(cfg.lr_scheduler, optimizer, num_training_steps=total_steps)
-        if cfg.get("lr_scheduler")
-        else None
-    )
-    return accumulation, steps_per_epoch, total_steps, lr_scheduler
+    return accumulation, steps_per_epoch, epochs * steps_per_epoch
 
 # %% ../../nbs/71d_steps.ipynb #1ab39972
 def scale_grads(model: nn.Module, scale: float) -> None:
@@ -120,16 +117,16 @@ def summed_cross_entropy(
     )
 
 # %% ../../nbs/71d_steps.ipynb #9d5de341
-def build_loss(cfg: Any, model: nn.Module) -> nn.Module:
-    """The config's `loss` component; a chunked loss makes the model return its logits
-    in `num_output_chunks` chunks.
+def prepare_loss(loss_fn: Optional[nn.Module], model: nn.Module) -> nn.Module:
+    """The recipe's `loss` component (None when its config has none: refused), ready
+    for `model`: a chunked loss makes the model return its logits in
+    `num_output_chunks` chunks.
     """
-    if not cfg.get("loss"):
+    if loss_fn is None:
         raise ValueError(
             "the config has no loss; add one, e.g. loss: {_component_: "
             "torchtune_lit.modules.loss.CEWithChunkedOutputLoss}"
         )
-    loss_fn = config.instantiate(cfg.loss)
     chunks = getattr(loss_fn, "num_output_chunks", 0)
     if chunks and not hasattr(model, "set_num_output_chunks"):
         raise ValueError(
