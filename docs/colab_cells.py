@@ -20,17 +20,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from build_site import CFG, COLAB, ROOT, _text  # noqa: E402
 
 NBS = ROOT / "nbs"
-# import name -> what pip installs in Colab; the chapters' checks use transformers 5 APIs (rope_parameters),
-# so the pin is the guard against the 4.x that a Colab image may carry.
+# import name -> what pip installs in Colab: the versions this book's checks were last run with, pinned, so a chapter
+# opened in Colab a year from now runs against the same APIs (transformers 5's rope_parameters, TRL's loss functions
+# that chapter 64 reads, lm_eval's task registry). numpy and matplotlib come with Colab; pinning them would replace the
+# builds Colab's own packages were compiled against, so they are left to Colab unless missing.
 EXTRA_PACKAGES = {
-    "transformers": "transformers>=5,<6",
-    "peft": "peft>=0.17",
+    "transformers": "transformers==5.24.0",
+    "peft": "peft==0.21.2",
     "matplotlib": "matplotlib",
-    "lm_eval": "lm_eval>=0.4.8",
-    "trl": "trl",
-    "sklearn": "scikit-learn",
-    "tensorboard": "tensorboard",
-    "mlflow": "mlflow-skinny",
+    "lm_eval": "lm_eval==0.4.13",
+    "trl": "trl==1.16.0",
+    "sklearn": "scikit-learn==1.9.1",
+    "tensorboard": "tensorboard==2.21.0",
+    "mlflow": "mlflow-skinny==3.18.0",
     "numpy": "numpy",
 }
 # installed with the package (settings.ini `requirements`) or with Python: nothing to add

@@ -3,7 +3,8 @@
 - no import cycle between modules (module-level and function-level imports both count: a cycle hidden inside a
   function is still two modules that need each other);
 - no module imports another package's private module: `torchtune_lit.data._messages` is the `data` package's own,
-  used by `data` and packages inside it; everyone else imports `torchtune_lit.data`;
+  used by `data` and packages inside it; everyone else imports `torchtune_lit.data`; likewise a `_name` is imported
+  only inside the package that defines it;
 - the lower layers never import the higher ones (`modules` <- `data` <- `tokenizers` <- the rest; nothing in the
   library imports a recipe; `training` never imports `rlhf`, `datasets` never imports `models`);
 - imports of the package sit at the top of a module, where a reader sees them (the command line's lazy imports,
@@ -85,6 +86,54 @@ def test_no_module_imports_another_packages_private_module():
             if owner and not (module == owner or module.startswith(owner + ".")):
                 offences.append(f"{MODULES[module].relative_to(PACKAGE.parent)}:{line} imports {target}")
     assert not offences, "import the package, not its private module:\n" + "\n".join(sorted(offences))
+
+
+def private_names_imported(module: str) -> list[tuple[str, str, int]]:
+    "(module, private name, line) for each `from torchtune_lit.X import _name` in `module`'s file."
+    found = []
+    for node in ast.walk(ast.parse(MODULES[module].read_text())):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        base = node.module or ""
+        if node.level:
+            anchor = _package(module).split(".")
+            anchor = anchor[: len(anchor) - (node.level - 1)]
+            base = ".".join(anchor + ([base] if base else []))
+        source = _known(base) if base.startswith("torchtune_lit") else ""
+        found += [(source, alias.name, node.lineno) for alias in node.names
+                  if source and alias.name.startswith("_") and not alias.name.startswith("__")]
+    return found
+
+
+def _private_name_offences() -> list[str]:
+    offences = []
+    for module in MODULES:
+        for source, name, line in private_names_imported(module):
+            owner = _package(source)
+            if not (module == owner or module.startswith(owner + ".")):
+                offences.append(f"{MODULES[module].relative_to(PACKAGE.parent)}:{line} imports {name} from {source}")
+    return offences
+
+
+def test_no_module_imports_another_packages_private_name():
+    """A `_name` is its package's own: `rlhf` reading `training.checkpointing._read_tensors` would tie it to a
+    detail `training` may change; such a name is made public (and documented) instead."""
+    offences = _private_name_offences()
+    assert not offences, "make the name public, or keep it in its package:\n" + "\n".join(sorted(offences))
+
+
+def test_the_private_name_check_can_fail(tmp_path):
+    "The check above finds a private name imported across packages when there is one."
+    saved = MODULES.get("torchtune_lit.rlhf._probe")
+    probe = tmp_path / "_probe.py"
+    probe.write_text("from torchtune_lit.training.checkpointing import _resolve_files\n")
+    MODULES["torchtune_lit.rlhf._probe"] = probe
+    try:
+        assert any("_resolve_files from torchtune_lit.training.checkpointing" in o for o in _private_name_offences())
+    finally:
+        del MODULES["torchtune_lit.rlhf._probe"]
+        if saved is not None:
+            MODULES["torchtune_lit.rlhf._probe"] = saved
 
 
 def _cycles() -> list[list[str]]:

@@ -6,6 +6,7 @@
 __all__ = ['CONFIG_KEYS', 'train', 'recipe_main']
 
 # %% ../../nbs/89_full_dpo_distributed.ipynb #f2834a61
+import functools
 import sys
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 import torchtune_lit.config as config
+import torchtune_lit.datasets as datasets
 import torchtune_lit.rlhf.preference_parts as preference_parts
 import torchtune_lit.training as training
 import torchtune_lit.training.preflight as preflight
@@ -93,6 +95,12 @@ def train(cfg: DictConfig) -> list[dict]:
 
     # 2. this rank's share of the pairs; the model sharded, filled from rank 0's read
     checkpointer = config.instantiate(cfg.checkpointer)
+    build_model = functools.partial(config.instantiate, cfg.model)
+    sharding = dict(  # how every model this recipe loads is sharded
+        activation_checkpointing=cfg.get("enable_activation_checkpointing", False),
+        compile=cfg.get("compile", False),
+        reshard_after_forward=cfg.get("reshard_after_forward", True),
+    )
     tokenizer = config.instantiate(cfg.tokenizer)
     loader, val_loader = preference_parts.build_preference_loaders(
         config.instantiate(cfg.dataset, tokenizer),
@@ -100,16 +108,34 @@ def train(cfg: DictConfig) -> list[dict]:
         cfg.batch_size, cfg.seed, cfg.get("shuffle", True), cfg.get("sanity_check"),
         rank, world_size,
     )  # fmt: skip
-    inspect = training.preflight_printer(  # the checks see each pair's chosen answer
-        cfg, tokenizer, preflight.ChosenView(loader.dataset), output_dir, world_size
+    plan = preflight.RunPlan(  # the run's numbers, for the preflight report
+        cfg.batch_size, dtype, device, world_size=world_size,
+        optimizer=cfg.optimizer._component_, lr=cfg.optimizer.get("lr"),
+        lr_scheduler=OmegaConf.select(cfg, "lr_scheduler._component_"),
+        gradient_accumulation_steps=cfg.get("gradient_accumulation_steps", 1),
+        activation_checkpointing=cfg.get("enable_activation_checkpointing", False),
+        train_on_input=any(
+            entry.get("train_on_input", False)
+            for entry in datasets.dataset_entries(cfg.dataset)
+        ),
+    )  # fmt: skip
+    inspect = (  # the checks see each pair's chosen answer
+        training.preflight_printer(
+            plan, tokenizer, preflight.ChosenView(loader.dataset), checkpointer,
+            output_dir,
+        )  # fmt: skip
+        if cfg.get("preflight", True)
+        else None
     )
     model = training.load_sharded_model(
-        cfg, checkpointer, rank, device, dtype, inspect=inspect
+        build_model, checkpointer, rank, device, dtype, inspect=inspect, **sharding
     )
     loss_fn = config.instantiate(cfg.loss)
     reference = None  # a reference-free loss needs none
     if preference_parts.needs_reference_copy(model, loss_fn):  # a second, frozen load
-        reference = training.load_sharded_model(cfg, checkpointer, rank, device, dtype)
+        reference = training.load_sharded_model(
+            build_model, checkpointer, rank, device, dtype, **sharding
+        )
         reference.requires_grad_(False).eval()
     trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = config.instantiate(cfg.optimizer, trained)

@@ -120,8 +120,21 @@ def train(cfg: DictConfig) -> list[dict]:
         cfg.get("gradient_accumulation_steps", 1), cfg.get("clip_grad_norm"),
     )  # fmt: skip
     if cfg.get("preflight", True):
+        plan = preflight.RunPlan(  # the run's numbers, for the preflight report
+            cfg.batch_size, dtype, device,
+            optimizer=cfg.optimizer._component_, lr=cfg.optimizer.get("lr"),
+            lr_scheduler=OmegaConf.select(cfg, "lr_scheduler._component_"),
+            gradient_accumulation_steps=cfg.get("gradient_accumulation_steps", 1),
+            activation_checkpointing=cfg.get("enable_activation_checkpointing", False),
+            optimizer_in_backward=cfg.get("optimizer_in_bwd", False),
+            activation_offloading=cfg.get("enable_activation_offloading", False),
+            train_on_input=any(
+                entry.get("train_on_input", False)
+                for entry in datasets.dataset_entries(cfg.dataset)
+            ),
+        )  # fmt: skip
         report = preflight.preflight_report(
-            cfg, model=model, tokenizer=tokenizer, dataset=loader.dataset
+            plan, model, tokenizer, loader.dataset, checkpointer
         )
         preflight.report_and_check(report, output_dir)
     accumulation, steps_per_epoch, total_steps = training.training_schedule(
@@ -190,7 +203,8 @@ def train(cfg: DictConfig) -> list[dict]:
 
         # 5. log; check step 1's loss; validate and checkpoint every so many steps
         if step == 1:
-            preflight.warn_on_first_loss(cfg, metrics["loss"], model)
+            pretrained = bool(checkpointer.checkpoint_files)  # not `[]`: from scratch
+            preflight.warn_on_first_loss(metrics["loss"], model, pretrained)
         val_every = cfg.get("run_val_every_n_steps")  # null: at the end of each epoch
         if val_loader is not None and val_every and step % val_every == 0:
             metrics["val_loss"] = training.validation_loss(

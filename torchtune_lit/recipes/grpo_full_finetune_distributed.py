@@ -6,6 +6,7 @@
 __all__ = ['CONFIG_KEYS', 'train', 'recipe_main']
 
 # %% ../../nbs/8b_grpo_full_finetune_distributed.ipynb #a0e891a0
+import functools
 import sys
 import time
 from pathlib import Path
@@ -85,14 +86,24 @@ def train(cfg: DictConfig) -> list[dict]:
     if rank == 0:  # output_dir/config.yaml
         training.save_run_config(OmegaConf.to_container(cfg, resolve=True), output_dir)
     checkpointer = config.instantiate(cfg.checkpointer)
+    build_model = functools.partial(config.instantiate, cfg.model)
+    sharding = dict(  # how every model this recipe loads is sharded
+        activation_checkpointing=cfg.get("enable_activation_checkpointing", False),
+        compile=cfg.get("compile", False),
+        reshard_after_forward=cfg.get("reshard_after_forward", True),
+    )
     tokenizer = config.instantiate(cfg.tokenizer)
     load = training.load_sharded_model
     if cfg.model._component_.rsplit(".", 1)[-1].startswith(("lora_", "qlora_")):
         load = training.load_sharded_lora_model
-    model = load(cfg, checkpointer, rank, device, dtype)
+    model = load(
+        build_model, checkpointer, rank, device, dtype, **sharding
+    )
     reference = None  # with adapters: the policy with its adapters off
     if not peft.get_adapter_params(model):
-        reference = load(cfg, checkpointer, rank, device, dtype)  # sharded too
+        reference = load(
+            build_model, checkpointer, rank, device, dtype, **sharding
+        )  # sharded too
         reference.requires_grad_(False).eval()
 
     # 2. this rank's share of the prompts, optimizer and schedule, loss and rewards

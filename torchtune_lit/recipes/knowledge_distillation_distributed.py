@@ -6,6 +6,7 @@
 __all__ = ['CONFIG_KEYS', 'load_sharded_teacher', 'train', 'recipe_main']
 
 # %% ../../nbs/85b_knowledge_distillation_distributed.ipynb #f2f59f20
+import functools
 import json
 import sys
 import time
@@ -69,16 +70,15 @@ CONFIG_KEYS = {
 
 # %% ../../nbs/85b_knowledge_distillation_distributed.ipynb #b4353456
 def load_sharded_teacher(
-    cfg: DictConfig, rank: int, device: torch.device, dtype: torch.dtype
+    cfg: DictConfig, rank: int, device: torch.device, dtype: torch.dtype, sharding: dict
 ) -> torch.nn.Module:
-    """The frozen teacher, sharded: `teacher_model` from `teacher_checkpointer` through
-    the distributed loader (rank 0 reads, every rank gets its shards), in eval mode."""
-    teacher_cfg = cfg.copy()  # the sharding settings of cfg, the teacher's model
-    OmegaConf.update(teacher_cfg, "model", cfg.teacher_model, merge=False)
-    checkpointer = config.instantiate(cfg.teacher_checkpointer)
+    """The frozen teacher, sharded as the student is (`sharding`): `teacher_model` from
+    `teacher_checkpointer` through the distributed loader (rank 0 reads, every rank gets
+    its shards), in eval mode."""
     teacher = training.load_sharded_model(
-        teacher_cfg, checkpointer, rank, device, dtype
-    )
+        functools.partial(config.instantiate, cfg.teacher_model),
+        config.instantiate(cfg.teacher_checkpointer), rank, device, dtype, **sharding,
+    )  # fmt: skip
     return teacher.requires_grad_(False).eval()
 
 # %% ../../nbs/85b_knowledge_distillation_distributed.ipynb #19b85196
@@ -94,6 +94,12 @@ def train(cfg: DictConfig) -> dict:
     if rank == 0:  # output_dir/config.yaml
         training.save_run_config(OmegaConf.to_container(cfg, resolve=True), output_dir)
     checkpointer = config.instantiate(cfg.checkpointer)
+    build_model = functools.partial(config.instantiate, cfg.model)
+    sharding = dict(  # how every model this recipe loads is sharded
+        activation_checkpointing=cfg.get("enable_activation_checkpointing", False),
+        compile=cfg.get("compile", False),
+        reshard_after_forward=cfg.get("reshard_after_forward", True),
+    )
     tokenizer = config.instantiate(cfg.tokenizer)
     dataset = datasets.build_datasets(cfg.dataset, tokenizer, config.instantiate)
     loader = training.build_dataloader(
@@ -109,8 +115,10 @@ def train(cfg: DictConfig) -> dict:
     # a lora_ (or qlora_) model builder: a LoRA student, its base frozen
     lora = cfg.model._component_.rsplit(".", 1)[-1].startswith(("lora_", "qlora_"))
     load = training.load_sharded_lora_model if lora else training.load_sharded_model
-    student = load(cfg, checkpointer, rank, device, dtype)
-    teacher = load_sharded_teacher(cfg, rank, device, dtype)
+    student = load(
+        build_model, checkpointer, rank, device, dtype, **sharding
+    )
+    teacher = load_sharded_teacher(cfg, rank, device, dtype, sharding)
     training.check_same_vocabulary(student, teacher)
     loss_fn, kd_loss_fn = training.build_losses(
         config.instantiate(cfg.get("loss")), config.instantiate(cfg.get("kd_loss")),

@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 import torchtune_lit.config as config
 import torchtune_lit.datasets as datasets
 import torchtune_lit.training as training
+import torchtune_lit.training.preflight as preflight
 
 # %% ../../nbs/85_knowledge_distillation_single_device.ipynb #ab3d7279
 # The config keys this recipe reads: key -> (default, meaning), "required" where the
@@ -135,10 +136,23 @@ def train(cfg: DictConfig) -> dict:
     )
     # the student's data, tokenizer, checkpoint and memory (without the teacher)
     if cfg.get("preflight", True):
-        report = training.preflight.preflight_report(
-            cfg, model=student, tokenizer=tokenizer, dataset=loader.dataset
+        plan = preflight.RunPlan(  # the run's numbers, for the preflight report
+            cfg.batch_size, dtype, device,
+            optimizer=cfg.optimizer._component_, lr=cfg.optimizer.get("lr"),
+            lr_scheduler=OmegaConf.select(cfg, "lr_scheduler._component_"),
+            gradient_accumulation_steps=cfg.get("gradient_accumulation_steps", 1),
+            activation_checkpointing=cfg.get("enable_activation_checkpointing", False),
+            optimizer_in_backward=cfg.get("optimizer_in_bwd", False),
+            activation_offloading=cfg.get("enable_activation_offloading", False),
+            train_on_input=any(
+                entry.get("train_on_input", False)
+                for entry in datasets.dataset_entries(cfg.dataset)
+            ),
+        )  # fmt: skip
+        report = preflight.preflight_report(
+            plan, student, tokenizer, loader.dataset, checkpointer
         )
-        training.preflight.report_and_check(report, output_dir)
+        preflight.report_and_check(report, output_dir)
 
     # 3. resume if asked: the student's weights (or adapter) + recipe state; the KL
     # before training, measured now or read back from the step checkpoint

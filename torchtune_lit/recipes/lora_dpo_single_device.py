@@ -12,6 +12,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 import torchtune_lit.config as config
+import torchtune_lit.datasets as datasets
 import torchtune_lit.modules.peft as peft
 import torchtune_lit.rlhf.preference_parts as preference_parts
 import torchtune_lit.training as training
@@ -100,12 +101,22 @@ def train(cfg: DictConfig) -> list[dict]:
     trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = config.instantiate(cfg.optimizer, trained)
     loss_fn = config.instantiate(cfg.loss)
-    if cfg.get("preflight", True):
+    if cfg.get("preflight", True):  # the checks see each pair's chosen answer
+        plan = preflight.RunPlan(  # the run's numbers, for the preflight report
+            cfg.batch_size, dtype, device,
+            optimizer=cfg.optimizer._component_, lr=cfg.optimizer.get("lr"),
+            lr_scheduler=OmegaConf.select(cfg, "lr_scheduler._component_"),
+            gradient_accumulation_steps=cfg.get("gradient_accumulation_steps", 1),
+            activation_checkpointing=cfg.get("enable_activation_checkpointing", False),
+            optimizer_in_backward=cfg.get("optimizer_in_bwd", False),
+            activation_offloading=cfg.get("enable_activation_offloading", False),
+            train_on_input=any(
+                entry.get("train_on_input", False)
+                for entry in datasets.dataset_entries(cfg.dataset)
+            ),
+        )  # fmt: skip
         report = preflight.preflight_report(
-            cfg,
-            model=model,
-            tokenizer=tokenizer,
-            dataset=preflight.ChosenView(loader.dataset),
+            plan, model, tokenizer, preflight.ChosenView(loader.dataset), checkpointer
         )
         preflight.report_and_check(report, output_dir)
     accumulation, steps_per_epoch, total_steps = training.training_schedule(

@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 import torchtune_lit.config as config
 import torchtune_lit.datasets as datasets
 import torchtune_lit.training as training
+import torchtune_lit.training.preflight as preflight
 
 # %% ../../nbs/8g_qat_lora_finetune_distributed.ipynb #13976e15
 # The config keys this recipe reads: key -> (default, meaning), "required" where the
@@ -106,6 +107,12 @@ def train(cfg: DictConfig) -> list[dict]:
     # 2. this rank's share of the data; the LoRA model built in full on rank 0,
     # prepared for QAT (before sharding), sharded and broadcast
     checkpointer = config.instantiate(cfg.checkpointer)
+    build_model = functools.partial(config.instantiate, cfg.model)
+    sharding = dict(  # how every model this recipe loads is sharded
+        activation_checkpointing=cfg.get("enable_activation_checkpointing", False),
+        compile=cfg.get("compile", False),
+        reshard_after_forward=cfg.get("reshard_after_forward", True),
+    )
     tokenizer = config.instantiate(cfg.tokenizer)
     dataset = datasets.build_datasets(cfg.dataset, tokenizer, config.instantiate)
     loader = training.build_dataloader(
@@ -116,14 +123,31 @@ def train(cfg: DictConfig) -> list[dict]:
         config.instantiate(cfg.get("validation_dataset"), tokenizer),
         cfg.batch_size, data_rank, data_world,
     )  # fmt: skip
-    inspect = training.preflight_printer(
-        cfg, tokenizer, loader.dataset, output_dir, world_size
+    plan = preflight.RunPlan(  # the run's numbers, for the preflight report
+        cfg.batch_size, dtype, device, world_size=world_size,
+        optimizer=cfg.optimizer._component_, lr=cfg.optimizer.get("lr"),
+        lr_scheduler=OmegaConf.select(cfg, "lr_scheduler._component_"),
+        gradient_accumulation_steps=cfg.get("gradient_accumulation_steps", 1),
+        activation_checkpointing=cfg.get("enable_activation_checkpointing", False),
+        train_on_input=any(
+            entry.get("train_on_input", False)
+            for entry in datasets.dataset_entries(cfg.dataset)
+        ),
+    )  # fmt: skip
+    inspect = (  # prints the report on rank 0, from the unsharded model
+        training.preflight_printer(
+            plan, tokenizer, loader.dataset, checkpointer, output_dir
+        )
+        if cfg.get("preflight", True)
+        else None
     )
-    extra = {} if mesh is None else {"mesh": mesh}
     load = functools.partial(
         training.load_sharded_lora_model, prepare=quantizer.prepare
     )
-    model = load(cfg, checkpointer, rank, device, dtype, inspect=inspect, **extra)
+    model = load(
+        build_model, checkpointer, rank, device, dtype, inspect=inspect,
+        mesh=mesh, **sharding,
+    )
     loss_fn = training.prepare_loss(config.instantiate(cfg.get("loss")), model)
     trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = config.instantiate(cfg.optimizer, trained)

@@ -24,7 +24,7 @@ from torchtune_lit.models.convert_weights import (
 from torchtune_lit.training.checkpointing import (
     CheckpointError,
     FullModelHFCheckpointer,
-    _read_tensors,
+    read_tensors,
 )
 
 from ..models.tiny import tiny_llama
@@ -118,7 +118,7 @@ def reward_model_state_dict(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
     checkpointer = FullModelHFCheckpointer(checkpoint_dir)
     tensors: dict[str, torch.Tensor] = {}
     for path in checkpointer.checkpoint_files:
-        tensors.update(_read_tensors(path))
+        tensors.update(read_tensors(path))
     score = tensors.pop("score.weight", None)
     if score is None:
         raise CheckpointError(

@@ -12,38 +12,41 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig
 
-import torchtune_lit.config as config
 import torchtune_lit.modules.peft as peft
 import torchtune_lit.training.resume as resume
 import torchtune_lit.training.sharding as sharding
 
+from ..modules.low_precision.nf4 import is_nf4
 from . import preflight
 from .checkpointing import load_lora_model
 from .memory import compile_model, set_activation_checkpointing
 
 # %% ../../nbs/78_distributed_parts.ipynb #42f50ce1
 def _shard(
-    cfg: DictConfig, model: torch.nn.Module, mesh: Optional[Any] = None
+    model: torch.nn.Module,
+    mesh: Optional[Any] = None,
+    activation_checkpointing: bool = False,
+    compile: bool = False,
+    reshard_after_forward: bool = True,
 ) -> torch.nn.Module:
     """Tensor parallelism over `mesh`'s tp dimension (when given), activation
     checkpointing and compilation, then FSDP2 (over the dp dimension)."""
     if mesh is not None:
         sharding.parallelize_decoder(model, mesh["tp"])
-    if cfg.get("enable_activation_checkpointing", False):
+    if activation_checkpointing:
         set_activation_checkpointing(model)
-    if cfg.get("compile", False):
+    if compile:
         compile_model(model)
     return sharding.shard_model(
         model,
-        reshard_after_forward=cfg.get("reshard_after_forward", True),
+        reshard_after_forward=reshard_after_forward,
         mesh=None if mesh is None else mesh["dp"],
     )
 
 
 def load_sharded_model(
-    cfg: DictConfig,
+    build_model: Callable[[], torch.nn.Module],
     checkpointer: Any,
     rank: int,
     device: torch.device,
@@ -51,35 +54,45 @@ def load_sharded_model(
     inspect: Optional[Callable] = None,
     prepare: Optional[Callable] = None,
     mesh: Optional[Any] = None,
+    activation_checkpointing: bool = False,
+    compile: bool = False,
+    reshard_after_forward: bool = True,
 ) -> torch.nn.Module:
-    """Build the model on the meta device, shard it, and fill each rank's shards from
-    the checkpoint that only rank 0 reads. Without checkpoint files (training from
-    scratch) every rank builds the same seeded initialisation instead. `prepare(model)`
-    (QAT's fake quantization) runs on the unsharded model, before sharding; `mesh` is
-    the (dp, tp) mesh of tensor parallelism.
+    """Build the model (`build_model()`) on the meta device, shard it, and fill each
+    rank's shards from the checkpoint that only rank 0 reads. Without checkpoint files
+    (training from scratch) every rank builds the same seeded initialisation instead.
+    `prepare(model)` (QAT's fake quantization) runs on the unsharded model, before
+    sharding; `mesh` is the (dp, tp) mesh of tensor parallelism.
     """
     full_state = checkpointer.load_checkpoint()["model"] if rank == 0 else {}
     from_scratch = [rank == 0 and not full_state]
     dist.broadcast_object_list(from_scratch, src=0)
     if from_scratch[0]:
-        model = config.instantiate(cfg.model).to(device=device, dtype=dtype)
+        model = build_model().to(device=device, dtype=dtype)
     else:
         with torch.device("meta"):
-            model = config.instantiate(cfg.model).to(dtype)
+            model = build_model().to(dtype)
     # e.g. the preflight report, on the unsharded model
     if inspect is not None and rank == 0:
         inspect(model, full_state)
     if prepare is not None:
         model = prepare(model)
-    model = _shard(cfg, model, mesh)
+    model = _shard(
+        model, mesh, activation_checkpointing, compile, reshard_after_forward
+    )
     if not from_scratch[0]:
         sharding.load_from_full_state_dict(model, full_state, device)
     del full_state
     return model
 
 # %% ../../nbs/78_distributed_parts.ipynb #a302eca4
+def _has_nf4_base(model: torch.nn.Module) -> bool:
+    "Does `model` hold NF4 weights (QLoRA's `quantize_base`, `FrozenNF4Linear`)?"
+    return any(is_nf4(p) for p in model.parameters())
+
+
 def load_sharded_lora_model(
-    cfg: DictConfig,
+    build_model: Callable[[], torch.nn.Module],
     checkpointer: Any,
     rank: int,
     device: torch.device,
@@ -87,29 +100,34 @@ def load_sharded_lora_model(
     inspect: Optional[Callable] = None,
     prepare: Optional[Callable] = None,
     mesh: Optional[Any] = None,
+    activation_checkpointing: bool = False,
+    compile: bool = False,
+    reshard_after_forward: bool = True,
 ) -> torch.nn.Module:
-    """The LoRA model, sharded; rank 0 alone builds it in full (seeded adapters + the
-    base checkpoint) and broadcasts. `prepare(model)` runs before sharding.
+    """The LoRA model (`build_model()`), sharded; rank 0 alone builds it in full (seeded
+    adapters + the base checkpoint) and broadcasts. `prepare(model)` runs before
+    sharding.
     """
     if mesh is not None:
         raise ValueError(
             "tensor_parallel_dim > 1 is supported by full_finetune_distributed; "
             "LoRA layers are not split. Drop tensor_parallel_dim."
         )
-    if cfg.model.get("quantize_base", False) or "qlora" in cfg.model._component_:
+    with torch.device("meta"):
+        model = build_model()
+    if _has_nf4_base(model):
         raise ValueError(
             "lora_finetune_distributed does not shard QLoRA's NF4 base "
             "weights; run QLoRA with lora_finetune_single_device (an 8B model fits "
             "one 24 GB GPU), or use a LoRA model component."
         )
+    model = model.to(dtype)
     full_state = {}
     if rank == 0:
         cpu = torch.device("cpu")
-        full = load_lora_model(config.instantiate(cfg.model), checkpointer, cpu, dtype)
+        full = load_lora_model(build_model(), checkpointer, cpu, dtype)
         full_state = full.state_dict()
         del full
-    with torch.device("meta"):
-        model = config.instantiate(cfg.model).to(dtype)
     peft.set_trainable_params(model, peft.get_adapter_params(model))
     # the base checkpoint's keys are the full state's minus the adapters
     if inspect is not None and rank == 0:
@@ -117,32 +135,35 @@ def load_sharded_lora_model(
         inspect(model, {k: v for k, v in full_state.items() if k not in adapters})
     if prepare is not None:
         model = prepare(model)
-    model = _shard(cfg, model)
+    model = _shard(
+        model,
+        activation_checkpointing=activation_checkpointing,
+        compile=compile,
+        reshard_after_forward=reshard_after_forward,
+    )
     sharding.load_from_full_state_dict(model, full_state, device)
     return model
 
 # %% ../../nbs/78_distributed_parts.ipynb #feb0139d
 def preflight_printer(
-    cfg: DictConfig, tokenizer: Any, dataset: Any, output_dir: Path, world_size: int
+    plan: preflight.RunPlan,
+    tokenizer: Any,
+    dataset: Any,
+    checkpointer: Any,
+    output_dir: Path,
 ) -> Callable:
     """A callback for rank 0: print and save the preflight report of the (unsharded)
-    model and the checkpoint it read.
+    model and the checkpoint rank 0 read, for the recipe's `plan`.
     """
 
-    def inspect(model, state_dict) -> None:
-        if cfg.get("preflight", True):
-            report = preflight.preflight_report(
-                cfg,
-                model=model,
-                tokenizer=tokenizer,
-                dataset=dataset,
-                state_dict=state_dict,
-                world_size=world_size,
-            )
-            # print only: stopping rank 0 alone would leave the other ranks waiting;
-            # a checkpoint that does not fit is refused on every rank just after
-            preflight.save_report(report, output_dir)
-            print(preflight.format_report(report), flush=True)
+    def inspect(model: torch.nn.Module, state_dict: dict) -> None:
+        report = preflight.preflight_report(
+            plan, model, tokenizer, dataset, checkpointer, state_dict=state_dict
+        )
+        # print only: stopping rank 0 alone would leave the other ranks waiting;
+        # a checkpoint that does not fit is refused on every rank just after
+        preflight.save_report(report, output_dir)
+        print(preflight.format_report(report), flush=True)
 
     return inspect
 
