@@ -159,3 +159,71 @@ def test_exported_cells_are_shown():
             if cell["cell_type"] == "code" and re.fullmatch(r"#\|\s*export(\s+\S+)?", first):
                 hidden.append(notebook.name)
     assert not hidden, f"`#| export` hides the cell from the site in {sorted(set(hidden))}: write `#| exports`"
+
+
+# A cell draws when it calls pyplot (reading an image back with `plt.imread` is not drawing), a figure or its axes,
+# or a drawing method; calling a function the package exports (`runs.plot_run(...)`) is none of these, so a cell
+# that shows how to use the package's plotting stays visible.
+DRAWING = re.compile(
+    r"\bplt\.(?!imread\b)\w+"
+    r"|\b(?:fig|ax\d*|axes)\s*(?:\.|\[\d+\]\.)\w+"
+    r"|\.(?:plot|bar|barh|hist|imshow|annotate|add_patch|axhline|axvline)\("
+    r"|\bpatches\.\w+|\bFancyArrowPatch\("
+)
+MATPLOTLIB_IMPORT = re.compile(r"(?:import|from) matplotlib\b.*")
+HIDDEN_CODE = {"#|echo:false", "#|hide", "#|include:false"}
+
+
+def visible_drawing_cells(name: str, cells: list[dict]) -> list[str]:
+    """`name: cell id` of each code cell that draws with matplotlib, or only imports it, and still shows its code
+    on the site: not exported, and no `#| echo: false` / `#| hide` among its leading `#|` lines."""
+    found = []
+    for cell in cells:
+        if cell["cell_type"] != "code":
+            continue
+        source = "".join(cell["source"])
+        lines = source.splitlines()
+        directives = []
+        for line in lines:
+            if not line.startswith("#|"):
+                break
+            directives.append(line.replace(" ", ""))
+        if any(d.startswith("#|export") for d in directives) or HIDDEN_CODE & set(directives):
+            continue
+        code = [l for l in lines if l.strip() and not l.lstrip().startswith("#")]
+        draws = DRAWING.search("\n".join(code))
+        imports_only = bool(code) and all(MATPLOTLIB_IMPORT.fullmatch(l.strip()) for l in code)
+        if draws or imports_only:
+            found.append(f"{name}: {cell.get('id')}")
+    return found
+
+
+def test_drawing_cells_are_hidden():
+    "The site shows figures, not their drawing code: a cell that draws starts `#| echo: false` (imports: `#| hide`)."
+    import json
+
+    shown = []
+    for notebook in sorted((ROOT / "nbs").glob("*.ipynb")):
+        shown += visible_drawing_cells(notebook.name, json.loads(notebook.read_text(encoding="utf-8"))["cells"])
+    assert not shown, ("drawing code shown on the site (start the cell with `#| echo: false`, or split the checks "
+                       f"out of it first): {shown}")
+
+
+def test_drawing_check_flags_a_drawing_cell():
+    "The scan above finds a visible drawing cell and a visible pyplot import, and lets hidden or package code be."
+    def code(source: str, id: str) -> dict:
+        return {"cell_type": "code", "id": id, "source": source.splitlines(keepends=True)}
+
+    cells = [
+        code("fig, ax = plt.subplots()\nax.plot([1, 2])\nplt.show()", "draws"),
+        code("x = torch.arange(3)\nassert x.sum() == 3\nplt.bar(['a'], [1])", "checks_and_draws"),
+        code("import matplotlib.pyplot as plt", "imports"),
+        code("#| echo: false\nfig, ax = plt.subplots()\nax.plot([1, 2])", "hidden"),
+        code("#| hide\nimport matplotlib.pyplot as plt", "hidden_import"),
+        code("#| exports\ndef draw(ax):\n    ax.plot([1, 2])", "exported"),
+        code("png = runs.plot_run(run)\nassert plt.imread(png).shape[1] > 500\nImage(str(png))", "package"),
+        code("import math\n\nimport matplotlib.pyplot as plt\nimport torch", "mixed_imports"),
+        {"cell_type": "markdown", "id": "prose", "source": ["plt.plot draws a line"]},
+    ]
+    assert visible_drawing_cells("made_up.ipynb", cells) == [
+        "made_up.ipynb: draws", "made_up.ipynb: checks_and_draws", "made_up.ipynb: imports"]
