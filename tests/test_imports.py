@@ -111,7 +111,7 @@ def _private_name_offences() -> list[str]:
         for source, name, line in private_names_imported(module):
             owner = _package(source)
             if not (module == owner or module.startswith(owner + ".")):
-                offences.append(f"{MODULES[module].relative_to(PACKAGE.parent)}:{line} imports {name} from {source}")
+                offences.append(f"{module}:{line} imports {name} from {source}")
     return offences
 
 
