@@ -54,10 +54,12 @@ test-site:
 	$(BIN)/python docs/build_site.py
 
 test-nbs:
-	cd nbs && OMP_NUM_THREADS=1 ../$(BIN)/nbdev_test --n_workers 2 --timing
+	cd nbs && OMP_NUM_THREADS=1 TUNELIT_BOOK_QUICK=1 ../$(BIN)/nbdev_test --n_workers 2 --timing
 
+# Two workers. --dist loadgroup hands tests out one by one, except that the tests sharing a module fixture (a
+# trained start) go to one worker, which builds it once (tests/conftest.py). One thread per worker: two cores.
 test-py:
-	$(BIN)/python -m pytest tests/ -q --durations=20
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests/ -q --durations=20 -n 2 --dist loadgroup
 
 readme: setup
 	$(BIN)/python docs/make_readme.py

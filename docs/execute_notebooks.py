@@ -17,6 +17,9 @@ ROOT = Path(__file__).resolve().parent.parent
 # Saved outputs are what a reader sees on the site: no progress bars (tqdm, and the Hugging Face libraries built on
 # it, read these switches). A reader who runs a chapter sees the bars as usual.
 os.environ.update(TQDM_DISABLE="1", HF_HUB_DISABLE_PROGRESS_BARS="1", HF_DATASETS_DISABLE_PROGRESS_BARS="1")
+# The saved outputs are the full runs: `make test-nbs` sets TUNELIT_BOOK_QUICK=1 to cut the long training runs of a few
+# chapters to a few steps; it must never leak into what the site shows.
+os.environ.pop("TUNELIT_BOOK_QUICK", None)
 
 
 def _import_torchao_quietly() -> None:

@@ -151,7 +151,7 @@ def test_lora_two_processes_match_one(tmp_path):
                              f"output_dir={tmp_path / 'single'}", "progress_bar=false", "preflight=false",
                              "~validation_dataset", *common], capture_output=True, text=True, timeout=600)
     assert single.returncode == 0, single.stderr[-3000:]
-    multi = subprocess.run([TUNELIT, "run", "--nproc_per_node", "2", "--master_port", "29523", "lora_finetune_distributed",
+    multi = subprocess.run([TUNELIT, "run", "--nproc_per_node", "2", "--master_port", "29597", "lora_finetune_distributed",
                             "--config", "tiny/lora_distributed", "batch_size=2", f"output_dir={tmp_path / 'multi'}", *common],
                            capture_output=True, text=True, timeout=600)
     assert multi.returncode == 0, multi.stderr[-3000:]
@@ -169,7 +169,7 @@ def test_lora_two_processes_match_one(tmp_path):
 
 
 def test_lora_distributed_resumes_from_sharded_checkpoint(tmp_path):
-    launch = [TUNELIT, "run", "--nproc_per_node", "2", "--master_port", "29525", "lora_finetune_distributed",
+    launch = [TUNELIT, "run", "--nproc_per_node", "2", "--master_port", "29599", "lora_finetune_distributed",
               "--config", "tiny/lora_distributed", "batch_size=2", "epochs=1", "max_steps_per_epoch=6",
               "save_every_n_steps=3", f"output_dir={tmp_path}"]
     first = subprocess.run(launch, capture_output=True, text=True, timeout=600)

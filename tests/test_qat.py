@@ -24,7 +24,7 @@ def losses(folder: Path) -> list[float]:
 def test_qat_distributed_matches_qat_single_device_and_differs_from_plain_training(tmp_path):
     run("qat_single_device", "--config", "tiny/qat", "batch_size=4", f"output_dir={tmp_path / 'single'}",
         "progress_bar=false", *COMMON)
-    run("--nproc_per_node", "2", "--master_port", "29531", "qat_distributed", "--config", "tiny/qat_distributed",
+    run("--nproc_per_node", "2", "--master_port", "29591", "qat_distributed", "--config", "tiny/qat_distributed",
         "batch_size=2", f"output_dir={tmp_path / 'multi'}", *COMMON)
     run("full_finetune_single_device", "--config", "tiny/full", "batch_size=4", f"output_dir={tmp_path / 'plain'}",
         "progress_bar=false", *COMMON)
@@ -44,9 +44,9 @@ def test_qat_lora_distributed_matches_one_process_and_converts(tmp_path):
     lora_common = [*COMMON, "shuffle=false"]
     run("--nproc_per_node", "2", "--master_port", "29533", "qat_lora_finetune_distributed", "--config",
         "tiny/qat_lora_distributed", "batch_size=2", f"output_dir={tmp_path / 'multi'}", *lora_common)
-    run("--nproc_per_node", "1", "--master_port", "29535", "qat_lora_finetune_distributed", "--config",
+    run("--nproc_per_node", "1", "--master_port", "29593", "qat_lora_finetune_distributed", "--config",
         "tiny/qat_lora_distributed", "batch_size=4", f"output_dir={tmp_path / 'one'}", *lora_common)
-    run("--nproc_per_node", "1", "--master_port", "29537", "lora_finetune_distributed", "--config",
+    run("--nproc_per_node", "1", "--master_port", "29595", "lora_finetune_distributed", "--config",
         "tiny/lora_distributed", "batch_size=4", f"output_dir={tmp_path / 'plain'}", *lora_common)
     multi, one, plain = (losses(tmp_path / n) for n in ("multi", "one", "plain"))
     print("QAT LoRA x2:", multi, "x1:", one, "plain LoRA:", plain)

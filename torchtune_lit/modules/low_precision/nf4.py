@@ -66,8 +66,8 @@ def __getattr__(name: str) -> Any:
 
 # %% ../../../nbs/52_nf4.ipynb #06be3726
 def nf4_code_values(offset: float = 0.9677083) -> torch.Tensor:
-    """The 16 NF4 values derived from normal quantiles (fp64): 7 negative, an exact 0, 8
-    positive, scaled to [-1, 1].
+    """The 16 NF4 values: normal quantiles (computed in fp64) at points spaced by an
+    fp32 linspace; 7 negative, an exact 0, 8 positive, scaled to [-1, 1].
     """
     positive = torch.special.ndtri(torch.linspace(offset, 0.5, 9)[:-1].double())
     negative = -torch.special.ndtri(torch.linspace(offset, 0.5, 8)[:-1].double())
