@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 TUNELIT = str(Path(sys.executable).parent / "tunelit")
 COMMON = ["epochs=2", "max_steps_per_epoch=8", "progress_bar=false", "save_every_n_steps=3", "keep_last_n_checkpoints=2"]
@@ -54,3 +55,27 @@ def test_killed_run_resumes_exactly(tmp_path, recipe, config, extra):
     expected, got = losses(reference / "log.jsonl"), losses(log)
     assert sorted(got) == list(range(1, 17)) == sorted(expected)
     assert all(got[s] == expected[s] for s in range(10, 17)), {s: (got[s], expected[s]) for s in range(10, 17)}
+
+
+def test_resume_with_a_new_learning_rate_continues_with_it(tmp_path):
+    """A killed run resumed with optimizer.lr doubled: the optimizer and schedule state come back from the checkpoint,
+    but every step after it runs at twice the rate the killed run logged for that step (the schedule's position kept),
+    not at the saved rate (issue #39)."""
+    killed = tmp_path / "killed"
+    overrides = [f"output_dir={killed}", *COMMON, "validation_dataset=null", "preflight=false"]
+    process = subprocess.Popen([TUNELIT, "run", "full_finetune_single_device", "--config", "tiny/full", *overrides],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log, deadline = killed / "log.jsonl", time.time() + 300
+    while time.time() < deadline and not (log.is_file() and len(log.read_text().splitlines()) >= 11):
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)                      # after step 11; last checkpoint: step 9
+    process.wait()
+    before = {r["step"]: r["lr"] for r in map(json.loads, log.read_text().splitlines())}
+    assert 11 in before and 16 not in before, "the run was not killed after step 11"
+    saved_lr = OmegaConf.load(killed / "config.yaml").optimizer.lr
+    run("full_finetune_single_device", "tiny/full", *overrides, "resume_from_checkpoint=true",
+        f"optimizer.lr={2 * saved_lr}")
+    after = {r["step"]: r["lr"] for r in map(json.loads, log.read_text().splitlines())}
+    assert sorted(after) == list(range(1, 17))
+    assert all(after[s] == before[s] for s in range(1, 10))                  # trained before the checkpoint
+    assert all(abs(after[s] - 2 * before[s]) <= 1e-12 for s in (10, 11)), {s: (before[s], after[s]) for s in (10, 11)}

@@ -34,10 +34,15 @@ def test_a_second_run_is_refused_and_loses_nothing(tmp_path):
     assert f"output_dir {run} already holds a run" in second.stderr
     assert "overwrite=true" in second.stderr and "Traceback" not in second.stderr
     assert fingerprint(run) == before  # byte for byte
-    (run / "my_notes.txt").write_text("mine")
+    (run / "my_notes.txt").write_text("mine")  # a file no run wrote stops even overwrite=true
+    third = lora(run, "epochs=1", "overwrite=true", "seed=1")
+    assert third.returncode != 0 and "Traceback" not in third.stderr
+    assert f"output_dir {run} holds my_notes.txt, which no run wrote there" in third.stderr
+    assert fingerprint(run) == {**before, "my_notes.txt": hashlib.sha256(b"mine").hexdigest()}
+    (run / "my_notes.txt").unlink()  # moved out: now overwrite=true replaces the run
     third = lora(run, "epochs=1", "overwrite=true", "seed=1")
     assert third.returncode == 0, third.stderr[-2000:]
-    assert (run / "my_notes.txt").read_text() == "mine"
+    assert not (run / ".tunelit-lock").exists()
     log = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log] == [1, 2, 3] and len({r["run_id"] for r in log}) == 1
 
@@ -49,7 +54,18 @@ def test_resume_refuses_a_changed_model(tmp_path):
     (run / "run.json").write_text(json.dumps(dict(info, status="running", finished=None)))
     changed = lora(run, "epochs=1", "save_every_n_steps=2", "resume_from_checkpoint=true", "model.lora_rank=4")
     assert changed.returncode != 0 and "Traceback" not in changed.stderr
-    assert "cannot resume: the model changed since the run started (model.lora_rank: 8 -> 4)" in changed.stderr
+    assert "resume: model.lora_rank was 8, now 4; that is a different run" in changed.stderr
+
+
+def test_a_users_config_yaml_stops_the_run(tmp_path):
+    run = tmp_path / "mine"
+    run.mkdir()
+    (run / "config.yaml").write_text("my settings\n")
+    result = lora(run, "epochs=1")
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert f"output_dir {run} holds config.yaml, which no run wrote there" in result.stderr
+    assert [p.name for p in run.iterdir()] == ["config.yaml"]
+    assert (run / "config.yaml").read_text() == "my settings\n"
 
 
 def test_epochs_best_and_early_stopping_follow_the_validation_loss(tmp_path):

@@ -9,7 +9,10 @@ import ast
 import difflib
 import functools
 import importlib
+import importlib.util
 import inspect
+import math
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -24,8 +27,10 @@ import torchtune_lit
 from ._recipe_registry import RegistryError, resolve_config_path
 
 # %% auto #0
-__all__ = ['DEFAULT_ALLOWED_COMPONENTS', 'NEVER_ALLOWED_COMPONENTS', 'RUN_COUNTS', 'OPTIONAL_FEATURES', 'ConfigError',
-           'trust_all_components', 'check_allowed_components', 'get_component', 'instantiate', 'apply_overrides',
+__all__ = ['DEFAULT_ALLOWED_COMPONENTS', 'COMPONENT_PACKAGES', 'TRAINING_COMPONENTS', 'NOT_COMPONENTS',
+           'NEVER_ALLOWED_COMPONENTS', 'ALLOW_ENV', 'MAX_YAML_VALUES', 'RANK_ERRORS', 'RUN_COUNTS', 'OPTIONAL_FEATURES',
+           'ConfigError', 'trust_all_components', 'check_allowed_components', 'allow_components', 'granted_components',
+           'is_component', 'get_component', 'instantiate', 'refuse_config_grants', 'apply_overrides',
            'read_config_keys', 'builtin_config_keys', 'load_config', 'parse_cli_args', 'validate', 'warn_unread_keys',
            'parse', 'check_run_values']
 
@@ -80,18 +85,49 @@ def _import_longest_prefix(parts: list[str], path: str, key: str):
 
 # %% ../nbs/6a_config.ipynb #5e42002f
 DEFAULT_ALLOWED_COMPONENTS = ("torchtune_lit", "torch.nn", "torch.optim", "torchao")
-NEVER_ALLOWED_COMPONENTS = (
+COMPONENT_PACKAGES = (  # every public class and module-level function defined here
+    "torchtune_lit.models",
+    "torchtune_lit.modules",
+    "torchtune_lit.data",
+    "torchtune_lit.datasets",
+    "torchtune_lit.tokenizers",
+    "torchtune_lit.rlhf",
+    "torchtune_lit.generation",
+    "torchtune_lit.tabular",
+)
+TRAINING_COMPONENTS = (  # the parts of `training` that configs build
+    "torchtune_lit.training.checkpointing.FullModelHFCheckpointer",
+    "torchtune_lit.training.metric_logging.StdoutLogger",
+    "torchtune_lit.training.metric_logging.TensorBoardLogger",
+    "torchtune_lit.training.metric_logging.WandBLogger",
+    "torchtune_lit.training.metric_logging.MLFlowLogger",
+    "torchtune_lit.training.lr_schedulers.get_cosine_schedule_with_warmup",
+    "torchtune_lit.training.lr_schedulers.get_linear_schedule_with_warmup",
+    "torchtune_lit.training.lr_schedulers.get_constant_schedule_with_warmup",
+    "torchtune_lit.training.quantization.Int8DynActInt4WeightQATQuantizer",
+    "torchtune_lit.training.quantization.Int8DynActIntxWeightQATQuantizer",
+    "torchtune_lit.training.quantization.Int8WeightOnlyQATQuantizer",
+)
+NOT_COMPONENTS = (  # functions in COMPONENT_PACKAGES that write files
+    "torchtune_lit.datasets._tiny_world.build_tiny_world",
+    "torchtune_lit.rlhf._reward.save_reward_model",
+    "torchtune_lit.tabular.save_table_model",
+)
+NEVER_ALLOWED_COMPONENTS = (  # refused by name before any import
     "torchtune_lit.config",  # could switch the check off
     "torchtune_lit._cli",  # could launch a run with --trust-config
     "torchtune_lit.recipes",  # likewise, through a recipe's main(argv)
+    "torchtune_lit.training.runs",  # claims, and with overwrite empties, run folders
+    "torchtune_lit.training.atomic",  # replaces folders
 )
-_TRUST = {"all": False}
+ALLOW_ENV = "TUNELIT_ALLOW_COMPONENTS"
+_GRANTS = {"all": False, "packages": ()}
 
 
 def trust_all_components(trust: bool = True) -> None:
     """Allow every dotted path in configs from now on (what `--trust-config` does): for
     configs you wrote or have read."""
-    _TRUST["all"] = trust
+    _GRANTS["all"] = trust
 
 
 def _within(name: str, prefixes: Sequence[str]) -> bool:
@@ -99,35 +135,45 @@ def _within(name: str, prefixes: Sequence[str]) -> bool:
     return any(name == p or name.startswith(p + ".") for p in prefixes)
 
 # %% ../nbs/6a_config.ipynb #d678ff12
-def check_allowed_components(names: Any) -> tuple[str, ...]:
-    "The packages a config's `allowed_components` adds; unsafe ones are refused."
+def check_allowed_components(
+    names: Any, where: str = "--allow-components"
+) -> tuple[str, ...]:
+    """The packages a person grants (`where` names how: the flag or the environment
+    variable), as a tuple; a grant that would open everything is refused."""
     if names is None:
         return ()
-    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+    if isinstance(names, str):
+        names = [n.strip() for n in names.split(",") if n.strip()]
+    if not all(isinstance(n, str) for n in names):
         raise ConfigError(
-            f"allowed_components must be a list of package names such as "
-            f"[my_models], got {names!r}."
+            f"{where} takes package names such as my_models,my_lab, got {names!r}."
         )
     for name in names:
         top = name.split(".")[0]
         if not all(part.isidentifier() for part in name.split(".")):
-            raise ConfigError(f"allowed_components: {name!r} is not a package name.")
+            raise ConfigError(f"{where}: {name!r} is not a package name.")
         if top in sys.stdlib_module_names or top in ("torch", "torchtune_lit"):
             raise ConfigError(
-                f"allowed_components lists {name!r}: a config cannot allow the "
-                "standard library, torch or torchtune_lit as a whole, because that "
-                "would let it run any code. If you wrote this config and trust it, "
-                "run with --trust-config."
+                f"{where} {name}: the standard library, torch and torchtune_lit "
+                "cannot be allowed as a whole, because that would let a config run "
+                "any code. For a config you wrote and trust, pass --trust-config."
             )
     return tuple(names)
 
 
-def _is_allowed(name: str, allowed: Sequence[str]) -> bool:
-    if _TRUST["all"]:
-        return True
-    if _within(name, NEVER_ALLOWED_COMPONENTS):
-        return False
-    return _within(name, (*DEFAULT_ALLOWED_COMPONENTS, *allowed))
+def allow_components(packages: Sequence[str] | str) -> tuple[str, ...]:
+    """Grant `packages` (what `--allow-components` does) for the rest of this process;
+    `()` withdraws the grant. Returns the packages now granted."""
+    granted = check_allowed_components(packages) if packages else ()
+    _GRANTS["packages"] = tuple(dict.fromkeys(granted))
+    return _GRANTS["packages"]
+
+
+def granted_components() -> tuple[str, ...]:
+    """The packages the person running this process allowed: `--allow-components`
+    and the TUNELIT_ALLOW_COMPONENTS environment variable."""
+    env = check_allowed_components(os.environ.get(ALLOW_ENV) or None, ALLOW_ENV)
+    return tuple(dict.fromkeys((*_GRANTS["packages"], *env)))
 
 # %% ../nbs/6a_config.ipynb #6fa9a26d
 def _origin(obj: Any) -> str:
@@ -138,57 +184,144 @@ def _origin(obj: Any) -> str:
     return module if isinstance(module, str) else type(obj).__module__
 
 
+def _bases(cls: type) -> set[str]:
+    return {f"{c.__module__}.{c.__qualname__}" for c in cls.__mro__}
+
+
+_TORCH_KINDS = {  # path prefix -> the base classes a component there derives from
+    "torch.nn": {"torch.nn.modules.module.Module"},
+    "torch.optim": {
+        "torch.optim.optimizer.Optimizer",
+        "torch.optim.lr_scheduler.LRScheduler",
+    },
+    "torchao.optim": {"torch.optim.optimizer.Optimizer"},
+    "torchao.quantization": {"torchao.core.config.AOBaseConfig"},
+}
+
+
+def is_component(obj: Any, path: str) -> bool:
+    """Is `obj`, reached by the dotted `path`, a component of the default allowlist (a
+    public module-level class or function of the kinds listed above)?"""
+    if not (inspect.isclass(obj) or inspect.isfunction(obj)):
+        return False
+    qualname = getattr(obj, "__qualname__", "")
+    if "." in qualname or qualname.startswith("_"):
+        return False  # a method, a nested or a private object
+    name = f"{obj.__module__}.{qualname}"
+    if _within(obj.__module__, ("torchtune_lit",)):
+        return name in TRAINING_COMPONENTS or (
+            _within(obj.__module__, COMPONENT_PACKAGES) and name not in NOT_COMPONENTS
+        )
+    for prefix, kinds in _TORCH_KINDS.items():
+        if _within(path, (prefix,)) and inspect.isclass(obj):
+            if kinds & _bases(obj):
+                return True
+            if prefix == "torchao.quantization" and qualname.endswith("Quantizer"):
+                return True
+    return False
+
+
 def _refuse(path: str, key: str, why: str, hint: str = "") -> ConfigError:
+    top = path.split(".")[0]
+    if top in sys.stdlib_module_names or top in ("torch", "torchtune_lit"):
+        fix = "for a config you wrote and trust, pass --trust-config"
+    else:
+        fix = (
+            f"for a package you trust, pass --allow-components {top} (or set "
+            f"{ALLOW_ENV}={top}); for a config you wrote, --trust-config"
+        )
     return ConfigError(
-        f"{key}._component_ = {path!r} is not allowed: {why}. Configs build "
-        f"components from {', '.join(DEFAULT_ALLOWED_COMPONENTS)} and the packages "
-        "listed in the config's allowed_components; for a config you trust, pass "
-        f"--trust-config.{hint}"
+        f"{key}._component_ = {path!r} is not allowed: {why}. Configs build the "
+        "components of torchtune_lit, torch.nn modules, torch.optim optimizers and "
+        f"schedulers and torchao quantizers and optimizers; {fix}.{hint}"
     )
 
 # %% ../nbs/6a_config.ipynb #43bf7c0e
-def get_component(
-    path: str, key: str = "<config>", allowed: Sequence[str] = ()
-) -> Callable:
-    """The object that the dotted `path` names (e.g. 'torch.optim.AdamW'), if the
-    allowlist (plus `allowed` packages) permits it; `key` is the config key, for errors.
-    """
-    if (
-        not isinstance(path, str)
-        or not path
-        or path.startswith(".")
-        or path.endswith(".")
-    ):
+def _resolve(path: str, key: str, allowed: Sequence[str] | None) -> tuple[Any, str]:
+    """(object, how it is allowed: 'default', 'granted' or 'trusted') for the dotted
+    `path`, or a ConfigError naming `key`, the path and the fix."""
+    if not isinstance(path, str) or not path or "" in path.split("."):
         raise ConfigError(
             f"{key}._component_ must be a dotted path such as "
             f"'torch.optim.AdamW', got {path!r}."
         )
-    parts = path.split(".")
+    allowed = _allowed(allowed)
+    parts, trusted = path.split("."), _GRANTS["all"]
     if any(part.startswith("__") for part in parts):
         raise _refuse(path, key, "names starting with '__' are never followed")
-    if not _is_allowed(path, allowed):
+    if not trusted and _within(path, NEVER_ALLOWED_COMPONENTS):
+        why = "it writes, deletes or launches, so no config may build it"
+        raise _refuse(path, key, why)
+    granted = _within(path, allowed) and not _within(path, DEFAULT_ALLOWED_COMPONENTS)
+    if not (trusted or granted or _within(path, DEFAULT_ALLOWED_COMPONENTS)):
+        if importlib.util.find_spec(parts[0]) is None:  # looks, imports nothing
+            _import_longest_prefix(parts[:1], path, key)  # raises: no such module
         tops = [p.split(".")[0] for p in (*DEFAULT_ALLOWED_COMPONENTS, *allowed)]
         why = f"{parts[0]!r} is outside the allowed packages"
-        raise _refuse(path, key, why, _closest(parts[0], tops))
+        inside = [p for p in DEFAULT_ALLOWED_COMPONENTS if p.split(".")[0] == parts[0]]
+        if inside:  # torch.hub, torch.save: torch holds components in two places only
+            why = f"{parts[0]!r} holds components only in {' and '.join(inside)}"
+        raise _refuse(path, key, why, "" if inside else _closest(parts[0], tops))
     obj, used = _import_longest_prefix(parts, path, key)
     for i in range(used, len(parts)):
-        attr = parts[i]
-        if not hasattr(obj, attr):
-            where = ".".join(parts[:i])
-            raise ConfigError(
-                f"{key}._component_ = {path!r}: {where!r} has no "
-                f"attribute {attr!r}.{_closest(attr, dir(obj))}"
-            )
-        obj = getattr(obj, attr)
-        if not _is_allowed(_origin(obj), allowed):
+        obj = _attribute(obj, parts, i, path, key)
+        if granted and not trusted and not _within(_origin(obj), allowed):
             where = ".".join(parts[: i + 1])
             raise _refuse(path, key, f"{where!r} leads to {_origin(obj)!r}")
+    default = (
+        _within(path, DEFAULT_ALLOWED_COMPONENTS)
+        and not _within(path, NEVER_ALLOWED_COMPONENTS)
+        and is_component(obj, path)
+    )
+    if not (trusted or granted or default):
+        origin = _origin(obj)
+        why = (
+            f"it leads to {origin!r}"
+            if not _within(origin, ("torchtune_lit", "torch", "torchao"))
+            else "it is not a component (a function that writes, deletes or "
+            "launches, a method, or an object a recipe does not build)"
+        )
+        raise _refuse(path, key, why)
     if not callable(obj):
         raise ConfigError(
             f"{key}._component_ = {path!r} names a "
             f"{type(obj).__name__}, not something that can be called."
         )
-    return obj
+    return obj, "default" if default else "granted" if granted else "trusted"
+
+
+def _attribute(obj: Any, parts: list[str], i: int, path: str, key: str) -> Any:
+    "The attribute parts[i] of obj, or a ConfigError that says what is missing."
+    attr, where = parts[i], ".".join(parts[:i])
+    if hasattr(obj, attr):
+        return getattr(obj, attr)
+    hint = _closest(attr, dir(obj))
+    if inspect.ismodule(obj) and i < len(parts) - 1:  # meant as a module
+        raise ConfigError(
+            f"{key}._component_ = {path!r}: there is no module "
+            f"{where + '.' + attr!r} ({where!r} has no submodule or attribute "
+            f"{attr!r}).{hint}"
+        )
+    raise ConfigError(
+        f"{key}._component_ = {path!r}: {where!r} has no attribute {attr!r}.{hint}"
+    )
+
+
+def _allowed(allowed: Sequence[str] | None) -> tuple[str, ...]:
+    "The packages a call allows: `allowed`, checked, or else what the person granted."
+    if allowed is None:
+        return granted_components()
+    return check_allowed_components(tuple(allowed), "allowed=")
+
+
+def get_component(
+    path: str, key: str = "<config>", allowed: Sequence[str] | None = None
+) -> Callable:
+    """The object that the dotted `path` names (e.g. 'torch.optim.AdamW'), if it is a
+    component of the default allowlist, inside a package in `allowed` (default: what
+    the person granted) or `--trust-config` is on; `key` is the config key, for errors.
+    """
+    return _resolve(path, key, allowed)[0]
 
 # %% ../nbs/6a_config.ipynb #285958eb
 def _check_arguments(
@@ -263,7 +396,7 @@ def _key_of(node: Any) -> str:
     return "<config>"
 
 # %% ../nbs/6a_config.ipynb #654130e6
-def _build(value: Any, key: str, allowed: Sequence[str]) -> Any:
+def _build(value: Any, key: str, allowed: Sequence[str] | None) -> Any:
     """Build nested components inside `value` (dicts with `_component_`), depth first;
     leave other values as they are.
     """
@@ -277,7 +410,7 @@ def _build(value: Any, key: str, allowed: Sequence[str]) -> Any:
 
 
 def _instantiate_dict(
-    node: dict, key: str, args: tuple = (), allowed: Sequence[str] = ()
+    node: dict, key: str, args: tuple = (), allowed: Sequence[str] | None = None
 ) -> Any:
     path = node["_component_"]
     target = get_component(path, key, allowed)
@@ -293,16 +426,33 @@ def _instantiate_dict(
         e.add_note(f"(raised while instantiating config key {key!r}: {path})")
         raise
 
+
+def _check_components(value: Any, key: str, allowed: Sequence[str] | None) -> None:
+    "Resolve every `_component_` in `value` (refusing any not allowed); call nothing."
+    if isinstance(value, dict):
+        if "_component_" in value:
+            get_component(value["_component_"], key, allowed)
+        for k, v in value.items():
+            _check_components(v, f"{key}.{k}", allowed)
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_components(v, f"{key}[{i}]", allowed)
+
 # %% ../nbs/6a_config.ipynb #d1c50bdd
-def instantiate(config: DictConfig | dict | None, *args: Any, **kwargs: Any) -> Any:
+def instantiate(
+    config: DictConfig | dict | None,
+    *args: Any,
+    allowed: Sequence[str] | None = None,
+    **kwargs: Any,
+) -> Any:
     """Build the object that `config._component_` names, with the config's other keys as
     keyword arguments.
 
     Nested nodes that have their own `_component_` are built first. `args` are passed
     positionally and `kwargs` override keys of the config (the config itself is not
     modified). `None` gives `None`, so optional components can be left out of a config.
-    Only allowed components are built (see above): the whole config's
-    `allowed_components` adds packages.
+    Only allowed components are built (see above): `allowed` adds packages (default:
+    what the person granted with --allow-components or TUNELIT_ALLOW_COMPONENTS).
     """
     if config is None:
         return None
@@ -314,8 +464,7 @@ def instantiate(config: DictConfig | dict | None, *args: Any, **kwargs: Any) -> 
             f"{key}: instantiate needs a mapping with a '_component_' "
             f"key, got {type(config).__name__}."
         )
-    root = config._get_root()
-    allowed = () if root is config else _allowed_by(root)
+    refuse_config_grants(config._get_root(), "the config")
     node = _to_container(config, key)
     if "_component_" not in node:
         raise ConfigError(
@@ -323,13 +472,34 @@ def instantiate(config: DictConfig | dict | None, *args: Any, **kwargs: Any) -> 
             f"nothing to build. Its keys are: {', '.join(node) or '(none)'}."
         )
     node.update(kwargs)
+    allowed = _allowed(allowed)
+    _check_components(node, key, allowed)  # every one allowed before any is called
     return _instantiate_dict(node, key, args, allowed)
 
 
-def _allowed_by(cfg: DictConfig) -> tuple[str, ...]:
-    "The packages a whole config allows beyond the defaults (its allowed_components)."
-    return check_allowed_components(
-        _to_container(cfg, "<config>").get("allowed_components")
+def refuse_config_grants(cfg: Any, where: str) -> None:
+    """Refuse a config that lists packages to allow (`allowed_components`): trust comes
+    from the person running it (--allow-components), never from the config."""
+    if isinstance(cfg, (DictConfig, dict)) and "allowed_components" in cfg:
+        raise ConfigError(_grant_message(where, cfg.get("allowed_components")))
+
+
+def _grant_message(where: str, packages: Any) -> str:
+    if OmegaConf.is_config(packages):
+        packages = OmegaConf.to_container(packages)
+    listed = packages if isinstance(packages, list) else [packages]
+    names = ",".join(str(p) for p in listed) or "PKG"
+    tops = {str(p).split(".")[0] for p in listed}
+    if tops & {*sys.stdlib_module_names, "torch", "torchtune_lit"}:
+        fix = "if you wrote this config and trust it, pass --trust-config"
+    else:
+        fix = (
+            f"if you trust those packages, pass --allow-components {names} on the "
+            f"command line (or set {ALLOW_ENV}={names})"
+        )
+    return (
+        f"{where}: a config cannot allow components itself (allowed_components: "
+        f"{packages!r}); remove the key and, {fix}."
     )
 
 # %% ../nbs/6a_config.ipynb #620965cd
@@ -353,6 +523,43 @@ def _parse_value(text: str) -> Any:
         except ValueError:
             pass
     return value
+
+# %% ../nbs/6a_config.ipynb #a39c7e05
+MAX_YAML_VALUES = 10_000  # as OmegaConf allows a file
+
+
+def _yaml_values(text: str) -> int:
+    """How many values the YAML `text` stands for once every alias is expanded (counted
+    on the node graph, each node once); 0 for text that is not YAML."""
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return 0
+    sizes: dict[int, int] = {}
+
+    def size(node: yaml.Node) -> int:
+        if id(node) not in sizes:
+            sizes[id(node)] = MAX_YAML_VALUES + 1  # a node that contains itself
+            children = (
+                [v for pair in node.value for v in pair]
+                if isinstance(node, yaml.MappingNode)
+                else node.value
+                if isinstance(node, yaml.SequenceNode)
+                else []
+            )
+            sizes[id(node)] = min(1 + sum(size(c) for c in children), 10**12)
+        return sizes[id(node)]
+
+    return 0 if root is None else size(root)
+
+
+def _refuse_alias_bomb(text: str, where: str) -> None:
+    if "*" in text and _yaml_values(text) > MAX_YAML_VALUES:
+        raise ConfigError(
+            f"{where}: its YAML aliases (*name) expand to over {MAX_YAML_VALUES:,} "
+            "values, which no config needs (an alias bomb); write the values out "
+            "instead of repeating them through aliases."
+        )
 
 # %% ../nbs/6a_config.ipynb #534dd26f
 _OVERRIDE_HELP = (
@@ -380,6 +587,7 @@ def _parse_override(text: str) -> tuple[str, str, Any]:
         raise ConfigError(
             f"Bad override {text!r}: {key!r} is not a dotted key. {_OVERRIDE_HELP}"
         )
+    _refuse_alias_bomb(value, f"Override {text!r}")
     parsed = _parse_value(value)
     if isinstance(parsed, dict) and not value.lstrip().startswith("{"):
         raise ConfigError(
@@ -502,9 +710,11 @@ def load_config(
     starts. `${asset:NAME}` gives the path of a file shipped with the package (the tiny
     world's data). Keys are checked against `known_keys` (a recipe's `CONFIG_KEYS`;
     by default those of every built-in recipe): an override of an unknown key, or a key
-    in the file one typo away from a known one, is refused.
+    in the file one typo away from a known one, is refused. A config that allows
+    components itself (`allowed_components`, in the file or as an override) is refused.
     """
     path = _config_path(config)
+    _refuse_alias_bomb(path.read_text(encoding="utf-8", errors="replace"), str(path))
     try:
         cfg = OmegaConf.load(path)
     except yaml.YAMLError as e:
@@ -516,11 +726,15 @@ def load_config(
             f"{path} must hold a mapping of keys to values at the top "
             f"level, not a {type(cfg).__name__}."
         )
+    refuse_config_grants(cfg, str(path))
+    for text in overrides:
+        if text.lstrip("+~").split("=")[0].split(".")[0] == "allowed_components":
+            value = _parse_value(text.split("=", 1)[1]) if "=" in text else None
+            raise ConfigError(_grant_message(f"Override {text!r}", value))
     known = list(builtin_config_keys() if known_keys is None else known_keys)
     _refuse_misspelt_keys(cfg, known, path)
     cfg = apply_overrides(cfg, overrides, known_keys=known)
     _to_container(cfg, str(path))  # resolves every interpolation once, to fail early
-    check_allowed_components(cfg.get("allowed_components"))
     return cfg
 
 # %% ../nbs/6a_config.ipynb #b63ed026
@@ -573,29 +787,43 @@ def _config_path(config: str | Path) -> Path:
 # %% ../nbs/6a_config.ipynb #b201f07b
 def parse_cli_args(argv: Sequence[str]) -> tuple[str, list[str]]:
     """Split recipe arguments into the config (from '--config X' or '--config=X') and
-    the list of overrides. '--trust-config' switches the component allowlist off for
-    this process (see above).
+    the list of overrides. The person's grants take effect for this process:
+    '--allow-components PKG[,PKG]' allows those packages and '--trust-config' switches
+    the component allowlist off (see above).
     """
     argv, config, overrides, i = list(argv), None, [], 0
     while i < len(argv):
         arg = argv[i]
-        if arg == "--config":
+        if arg in ("--config", "--allow-components"):
             if i + 1 >= len(argv):
                 raise ConfigError(
-                    "'--config' needs a value: a config file path or a "
-                    "built-in name such as 'tiny/full'."
+                    f"'{arg}' needs a value: "
+                    + (
+                        "a config file path or a built-in name such as 'tiny/full'."
+                        if arg == "--config"
+                        else "package names such as my_models,my_lab."
+                    )
                 )
-            config, i = argv[i + 1], i + 2
+            value, i = argv[i + 1], i + 2
+            if arg == "--config":
+                config = value
+            else:
+                granted = check_allowed_components(value)
+                allow_components((*_GRANTS["packages"], *granted))
             continue
         if arg == "--trust-config":
             trust_all_components()
         elif arg.startswith("--config="):
             config = arg.split("=", 1)[1]
+        elif arg.startswith("--allow-components="):
+            value = check_allowed_components(arg.split("=", 1)[1])
+            allow_components((*_GRANTS["packages"], *value))
         elif arg.startswith("--"):
             raise ConfigError(
                 f"Unknown option {arg!r}. Recipes take '--config "
                 "NAME_OR_PATH' followed by overrides such as 'batch_size=4' (and "
-                "'--trust-config' for a config you trust to build any component)."
+                "'--allow-components PKG' or '--trust-config' for components you "
+                "trust)."
             )
         else:
             overrides.append(arg)
@@ -608,44 +836,78 @@ def parse_cli_args(argv: Sequence[str]) -> tuple[str, list[str]]:
     return config, overrides
 
 # %% ../nbs/6a_config.ipynb #52808d82
+_NON_FINITE_WORDS = {"nan", "inf", "infinity", ".nan", ".inf"}
+_FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max
+
+
+def _non_finite(value: Any) -> bool:
+    "A float that is NaN or infinite, or text that float() would read as one."
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    return isinstance(value, str) and value.strip().lower().lstrip("+-") in (
+        _NON_FINITE_WORDS
+    )
+
+
 def _validate_node(
-    node: Any, key: str, errors: list[str], allowed: Sequence[str] = ()
+    node: Any,
+    key: str,
+    errors: list[str],
+    allowed: Sequence[str] | None,
+    outside: list[tuple[str, str, str]],
 ) -> None:
+    if _non_finite(node):
+        errors.append(
+            f"{key} = {node!r} is not a finite number: give a finite value (e.g. "
+            f"optimizer.lr=3e-4), or remove the key."
+        )
+    elif isinstance(node, float) and abs(node) > _FLOAT32_MAX:
+        errors.append(
+            f"{key} = {node!r} is beyond what a 32-bit float holds (about 3.4e38), "
+            "so it would become inf in the tensors: give a value in range."
+        )
     if isinstance(node, list):
         for i, v in enumerate(node):
-            _validate_node(v, f"{key}[{i}]", errors, allowed)
+            _validate_node(v, f"{key}[{i}]", errors, allowed, outside)
         return
     if not isinstance(node, dict):
         return
     for k, v in node.items():
         if k != "_component_":
-            _validate_node(v, f"{key}.{k}" if key else k, errors, allowed)
+            _validate_node(v, f"{key}.{k}" if key else k, errors, allowed, outside)
     if "_component_" not in node:
         return
+    path = node["_component_"]
     try:
-        target = get_component(node["_component_"], key or "<config>", allowed)
+        target, how = _resolve(path, key or "<config>", allowed)
         kwargs = {k: v for k, v in node.items() if k != "_component_"}
-        _check_arguments(
-            target, (), kwargs, key or "<config>", node["_component_"], partial=True
-        )
+        _check_arguments(target, (), kwargs, key or "<config>", path, partial=True)
     except ConfigError as e:
         errors.append(str(e))
+        return
+    if how != "default":
+        outside.append((key or "<config>", path, how))
 
+# %% ../nbs/6a_config.ipynb #a39c7e01
+def validate(
+    cfg: DictConfig | dict, allowed: Sequence[str] | None = None
+) -> list[tuple[str, str, str]]:
+    """Check that every `_component_` in `cfg` resolves, is allowed (`allowed` adds
+    packages; default: what the person granted) and that its arguments bind to its
+    signature, and that every number is finite.
 
-def validate(cfg: DictConfig | dict) -> None:
-    """Check that every `_component_` in `cfg` resolves and that its arguments bind to
-    its signature.
-
-    Nothing is built. Raises one ConfigError listing every problem found; returns None
-    when the config is sound.
+    Nothing is built. Raises one ConfigError listing every problem found; when the
+    config is sound, returns the components it builds outside the default allowlist,
+    as (key, dotted path, 'granted' | 'trusted').
     """
     if isinstance(cfg, dict):
         cfg = OmegaConf.create(cfg)
+    refuse_config_grants(cfg, "the config")
     node = _to_container(cfg, "<config>")
+    allowed = _allowed(allowed)
     errors: list[str] = []
-    _validate_node(
-        node, "", errors, check_allowed_components(node.get("allowed_components"))
-    )
+    outside: list[tuple[str, str, str]] = []
+    _validate_node(node, "", errors, allowed, outside)
     if len(errors) == 1:
         raise ConfigError(errors[0])
     if errors:
@@ -653,6 +915,7 @@ def validate(cfg: DictConfig | dict) -> None:
             f"{len(errors)} problems in the config:\n"
             + "\n".join(f"  - {e}" for e in errors)
         )
+    return outside
 
 # %% ../nbs/6a_config.ipynb #64cdb692
 def warn_unread_keys(
@@ -673,6 +936,18 @@ def warn_unread_keys(
     return unread
 
 # %% ../nbs/6a_config.ipynb #4869f767
+# the errors a user can fix (a bad value, a missing file or package, a diverged loss)
+RANK_ERRORS = (ValueError, OSError, ImportError, FloatingPointError)
+
+
+def _peer_failure(error: BaseException) -> bool:
+    "Did a collective fail because another rank died (the other rank has the cause)?"
+    text = str(error)
+    return type(error).__name__.startswith("Dist") or any(
+        s in text for s in ("closed by peer", "Connection reset by peer", "Broken pipe")
+    )
+
+
 def parse(recipe_main: Callable[[DictConfig], Any]) -> Callable[..., Any]:
     """Decorator for a recipe's `main(cfg)`: build `cfg` from '--config X' and overrides
     in `argv` (default sys.argv), check its keys against the recipe's `CONFIG_KEYS`, and
@@ -683,14 +958,27 @@ def parse(recipe_main: Callable[[DictConfig], Any]) -> Callable[..., Any]:
 
     @functools.wraps(recipe_main)
     def wrapper(argv: Sequence[str] | None = None) -> Any:
-        config, overrides = parse_cli_args(sys.argv[1:] if argv is None else argv)
-        cfg = load_config(config, overrides, known_keys=declared)
-        if declared is not None:
-            warn_unread_keys(cfg, declared, recipe_main.__globals__.get("__file__"))
-        validate(
-            cfg
-        )  # every component allowed and its arguments bound, before any work
-        return recipe_main(cfg)
+        try:
+            config, overrides = parse_cli_args(sys.argv[1:] if argv is None else argv)
+            cfg = load_config(config, overrides, known_keys=declared)
+            if declared is not None:
+                file = recipe_main.__globals__.get("__file__")
+                warn_unread_keys(cfg, declared, file)
+            validate(cfg)  # every component allowed and bound, before any work
+            return recipe_main(cfg)
+        except Exception as e:
+            rank = os.environ.get("RANK")
+            peer = _peer_failure(e)
+            if rank is None or not (isinstance(e, RANK_ERRORS) or peer):
+                raise  # one process (tunelit reports it), or a bug: its traceback
+            # under torchrun: one line per failed rank instead of a traceback each
+            notes = " ".join(getattr(e, "__notes__", []))
+            message = f"[rank{rank}] {type(e).__name__}: {e} {notes}".rstrip()
+            if peer:
+                cause = str(e).split(". ")[0][-160:]
+                message = f"[rank{rank}] stopped: another rank failed ({cause})"
+            print(message, file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
 
     return wrapper
 

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -32,8 +32,8 @@ from .. import config as _config
 # %% auto #0
 __all__ = ['TORCHRUN_FLAGS', 'SANITY_OVERRIDES', 'SANITY_INTERRUPTED', 'EXPECTED_ERRORS', 'cmd_ls', 'cmd_cp', 'load_cli_config',
            'cmd_validate', 'cmd_cat', 'run_plan', 'config_preflight', 'cmd_preflight', 'split_run_args',
-           'sanity_verdict', 'recipe_help', 'interrupted_message', 'cmd_run', 'cmd_download', 'cmd_plot', 'cmd_runs',
-           'build_parser', 'error_line', 'main']
+           'sanity_verdict', 'recipe_help', 'interrupted_message', 'relay_launcher_stderr', 'cmd_run', 'cmd_download',
+           'cmd_plot', 'cmd_runs', 'build_parser', 'error_line', 'main', 'refused_for_safety']
 
 # %% ../../nbs/6c_cli.ipynb #1153fed6
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -83,7 +83,8 @@ def cmd_cp(args: argparse.Namespace) -> int:
 # %% ../../nbs/6c_cli.ipynb #0735a214
 def load_cli_config(args: argparse.Namespace):
     """The config of `validate`, `cat` and `preflight`: from --config or, as in
-    torchtune, the first positional argument; --trust-config lifts the allowlist."""
+    torchtune, the first positional argument; --allow-components PKG[,PKG] allows those
+    packages of one's own and --trust-config lifts the allowlist."""
     overrides = list(args.overrides)
     if args.config is None:
         if not overrides or "=" in overrides[0] or overrides[0].startswith("~"):
@@ -94,14 +95,18 @@ def load_cli_config(args: argparse.Namespace):
         args.config = overrides.pop(0)
     if args.trust_config:
         _config.trust_all_components()
+    if getattr(args, "allow_components", None):
+        _config.allow_components(args.allow_components)
     return _config.load_config(args.config, overrides)
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    """Load the config with overrides, check every component and its arguments, and say
-    so.
+    """Load the config with overrides, check every component and its arguments, name
+    the components built from outside the default allowlist, and say so.
     """
-    _config.validate(load_cli_config(args))
+    for key, path, how in _config.validate(load_cli_config(args)):
+        by = "--trust-config" if how == "trusted" else "--allow-components"
+        print(f"{key}: {path} (outside the default set; allowed by {by})")
     print("Config is well-formed!")
     return 0
 
@@ -212,6 +217,11 @@ def _resolve_recipe_args(recipe_args: list[str]) -> list[str]:
     config, overrides = _config.parse_cli_args(recipe_args)
     path = Path(config) if Path(config).is_file() else resolve_config_path(config)
     trust = ["--trust-config"] if "--trust-config" in recipe_args else []
+    for i, arg in enumerate(recipe_args):  # the person's grants travel with the run
+        if arg.startswith("--allow-components="):
+            trust.append(arg)
+        elif arg == "--allow-components" and i + 1 < len(recipe_args):
+            trust.append(f"--allow-components={recipe_args[i + 1]}")
     return ["--config", str(path), *overrides, *trust]
 
 # %% ../../nbs/6c_cli.ipynb #1381794f
@@ -226,6 +236,7 @@ SANITY_OVERRIDES = [
     "keep_last_n_epochs=1",
     "resume_from_checkpoint=false",
     "preflight=false",
+    "validation_dataset=null",
 ]
 
 
@@ -310,6 +321,50 @@ def interrupted_message(recipe_args: list[str]) -> str:
         f"in {output_dir}."
     )
 
+# %% ../../nbs/6c_cli.ipynb #rl00cd01
+_LAUNCHER_NOISE = ("torch/distributed/elastic/", "torch.distributed.elastic.")
+
+
+def _launcher_line(line: str, state: dict) -> bool:
+    "Keep `line` of torchrun's stderr? Updates `state` (inside the failure report?)."
+    if line.startswith("Traceback"):  # the launcher's own (the ranks' start "[rank")
+        state["report"] = True
+    if state["report"]:
+        field = line.strip()
+        if state.get("root_cause_next") and field.startswith("rank"):
+            state["root_cause"] = field.split(":", 1)[1].split()[0]
+        if state.get("root_cause_next") and field.startswith("exitcode"):
+            state["exit_code"] = field.split(":", 1)[1].split()[0]
+            state["root_cause_next"] = False
+        if line.startswith("Root Cause"):
+            state["root_cause_next"] = True
+        return False
+    return not (line[:1] in "EWI" and any(n in line for n in _LAUNCHER_NOISE))
+
+
+def relay_launcher_stderr(stream: Any, out: Any) -> Optional[str]:
+    """Copy torchrun's stderr (bytes) to `out` (text) without the launcher's traceback
+    and failure report; return the rank it names as the root cause and that rank's exit
+    code (negative: killed by that signal), if it names one."""
+    state: dict = {"report": False}
+    pending = b""
+    while chunk := os.read(stream.fileno(), 65536):
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        for raw in lines:
+            line = raw.decode(errors="replace")
+            if _launcher_line(line, state):
+                out.write(line + "\n")
+        if b"\r" in pending and not state["report"]:  # a progress bar's update
+            shown, pending = pending.rsplit(b"\r", 1)
+            out.write(shown.decode(errors="replace") + "\r")
+        out.flush()
+    if pending and _launcher_line(pending.decode(errors="replace"), state):
+        out.write(pending.decode(errors="replace"))
+    if "root_cause" not in state:
+        return None
+    return f"{state['root_cause']} (exit code {state.get('exit_code', '?')})"
+
 # %% ../../nbs/6c_cli.ipynb #13f746ab
 SANITY_INTERRUPTED = (
     "tunelit run --sanity: interrupted (Ctrl-C); its temporary run folder is deleted."
@@ -364,10 +419,21 @@ def _run_recipe(run_args: list[str], interrupted: Optional[str] = None) -> int:
             *recipe_args,
         ]
         try:
-            return subprocess.run(command).returncode
+            # torchrun sets one thread per rank anyway; set, it prints no banner
+            env = {"OMP_NUM_THREADS": "1", **os.environ}
+            launch = subprocess.Popen(command, stderr=subprocess.PIPE, env=env)
+            root_cause = relay_launcher_stderr(launch.stderr, sys.stderr)
+            code = launch.wait()
         except KeyboardInterrupt:
             print(interrupted or interrupted_message(recipe_args), file=sys.stderr)
             return 130
+        if code != 0 and root_cause is not None:
+            print(
+                f"tunelit run: rank {root_cause} failed first; the error of each "
+                "rank that raised one is above.",
+                file=sys.stderr,
+            )
+        return code
     saved_argv = sys.argv
     sys.argv = [str(recipe_path), *recipe_args]
     code = 0
@@ -471,6 +537,12 @@ def _add_config_parsers(sub: argparse._SubParsersAction) -> None:
             "first among the positional arguments",
         )
         p.add_argument("overrides", nargs="*", help="key=value, +key=value or ~key")
+        p.add_argument(
+            "--allow-components",
+            metavar="PKG[,PKG]",
+            help="allow components from these packages of yours (or set "
+            "TUNELIT_ALLOW_COMPONENTS)",
+        )
         p.add_argument(
             "--trust-config",
             action="store_true",
@@ -583,6 +655,9 @@ EXPECTED_ERRORS = (ValueError, OSError, ImportError, FloatingPointError)
 def error_line(error: BaseException) -> Optional[str]:
     """The one-line message for an error a user can fix, or None for one that is a bug
     (it keeps its traceback)."""
+    refused = refused_for_safety(error)
+    if refused is not None:
+        return refused
     if isinstance(error, EXPECTED_ERRORS):
         return str(error)
     if isinstance(error, OmegaConfBaseException):
@@ -597,7 +672,6 @@ def error_line(error: BaseException) -> Optional[str]:
         return f"building {built} failed: {type(error).__name__}: {error}"
     return None
 
-
 def main(argv: Sequence[str] | None = None) -> int:
     "Entry point of the `tunelit` console script; returns the exit code."
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -607,15 +681,75 @@ def main(argv: Sequence[str] | None = None) -> int:
         # its arguments verbatim
         args = argparse.Namespace(command="run", run_args=argv[1:], func=cmd_run)
     else:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        # overrides typed after a flag ('CONFIG --allow-components P key=value')
+        if hasattr(args, "overrides") and not any(a.startswith("-") for a in extra):
+            args.overrides, extra = [*args.overrides, *extra], []
+        if extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.func(args)
     except KeyboardInterrupt:
         print(f"tunelit {args.command}: interrupted (Ctrl-C).", file=sys.stderr)
         return 130
     except Exception as e:
+        runs = sys.modules.get("torchtune_lit.training.runs")
+        if runs is not None:  # a failed run lets go of its output_dir now, not at exit
+            runs.release_all_output_dirs()
         line = error_line(e)
         if line is None:
             raise
         print(f"tunelit {args.command}: {line}", file=sys.stderr)
         return 1
+
+# %% ../../nbs/6c_cli.ipynb #b39c7e02
+def _frame_value(error: BaseException, found: Callable[[Any], Any]) -> Any:
+    "The first found(frame) that is not None, innermost frame of `error` first."
+    frames, tb = [], error.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    for frame in reversed(frames):
+        value = found(frame)
+        if value is not None:
+            return value
+    return None
+
+
+def _loaded_file(frame: Any) -> Optional[str]:
+    "The file torch.load was reading, from its frame."
+    code = frame.f_code
+    if code.co_name == "load" and code.co_filename.endswith("serialization.py"):
+        f = frame.f_locals.get("f")
+        return str(f) if isinstance(f, (str, os.PathLike)) else None
+    return None
+
+
+def _template_source(frame: Any) -> Optional[str]:
+    source = getattr(frame.f_locals.get("self"), "template_source", None)
+    return str(source) if source else None
+
+
+def refused_for_safety(error: BaseException) -> Optional[str]:
+    """One line for a file that a library refused for safety (a chat template that
+    Jinja's sandbox stopped, a pickle torch.load would not run), or None."""
+    import pickle
+
+    kind = f"{type(error).__module__}.{type(error).__qualname__}"
+    if kind == "jinja2.exceptions.SecurityError":
+        source = _frame_value(error, _template_source)
+        where = f"the chat template in {source}" if source else "the chat template"
+        why = str(error).rstrip(".")
+        return (
+            f"{where} was refused for safety: {why} (Jinja's sandbox stops templates "
+            "that reach Python's internals); use the model family's tokenizer or a "
+            "chat template from a source you trust."
+        )
+    if isinstance(error, pickle.UnpicklingError):
+        file = _frame_value(error, _loaded_file) or "a checkpoint file"
+        return (
+            f"{file} was refused for safety: it holds pickled Python objects, which "
+            "loading would run, and torch.load reads only tensors; re-create it from a "
+            "source you trust (safetensors files hold tensors only)."
+        )
+    return None

@@ -7,6 +7,7 @@ __all__ = ['load_rows', 'check_columns', 'SFTDataset', 'instruct_dataset', 'chat
            'preference_dataset', 'TextCompletionDataset', 'text_completion_dataset']
 
 # %% ../../nbs/43_datasets.ipynb #60e82ccc
+import json
 import socket
 import urllib.parse
 import warnings
@@ -55,6 +56,65 @@ def _check_hub_reachable(source: str) -> None:
             "copy, or use source: json with data_files: PATH."
         ) from None
 
+# %% ../../nbs/43_datasets.ipynb #c43a0a02
+_TEXT_SUFFIXES = {".json", ".jsonl", ".ndjson", ".csv", ".tsv", ".txt"}
+
+
+def _non_utf8_line(path: Path) -> Optional[str]:
+    """'line N (byte 0x..)' for the first byte of `path` that is not UTF-8, or None;
+    decodes whole lines a block at a time."""
+    line, rest = 1, b""
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(1 << 22)
+            block = rest + chunk
+            cut = block.rfind(b"\n") + 1 if chunk else len(block)
+            block, rest = block[:cut], block[cut:]
+            try:
+                block.decode("utf-8")
+            except UnicodeDecodeError as e:
+                n = line + block.count(b"\n", 0, e.start)
+                return f"line {n} (byte 0x{block[e.start]:02x})"
+            line += block.count(b"\n")
+            if not chunk:
+                return None
+
+
+def _not_an_object(row: Any) -> Optional[str]:
+    "What a parsed JSON row is when it is not an object ('an array', ...), else None."
+    if isinstance(row, dict):
+        return None
+    kinds = {list: "an array", str: "a string", bool: "true/false", type(None): "null"}
+    return kinds.get(type(row), "a number")
+
+
+def _json_problem(path: Path) -> Optional[str]:
+    """The first line of JSON-lines file `path` that is not a JSON object, or what is
+    wrong with a file that is one JSON document (an array of rows); None if nothing."""
+    lines = path.read_text(encoding="utf-8").split("\n")  # not splitlines: \x1c, ...
+    filled = [text.strip() for text in lines if text.strip()]
+    try:  # one document: the whole file is one value (e.g. an array of rows)
+        rows, document = json.loads("\n".join(lines)), True
+    except json.JSONDecodeError as e:
+        if filled[:1] in (["["], ["{"]):  # a pretty-printed document, broken
+            return f"line {e.lineno} is not valid JSON ({e.msg}, column {e.colno})"
+        document = False
+    if document and (len(filled) > 1 or isinstance(rows, list)):
+        for i, row in enumerate(rows if isinstance(rows, list) else [], start=1):
+            if _not_an_object(row):
+                return f"item {i} of its array is {_not_an_object(row)}, not an object"
+        return None
+    for n, text in enumerate(lines, start=1):
+        if not text.strip():
+            continue
+        try:
+            kind = _not_an_object(json.loads(text))
+        except json.JSONDecodeError as e:
+            return f"line {n} is not valid JSON ({e.msg}, column {e.colno})"
+        if kind:
+            return f'line {n} is {kind}, not an object like {{"input": ...}}'
+    return None
+
 # %% ../../nbs/43_datasets.ipynb #5965c5c7
 def load_rows(
     source: str,
@@ -63,19 +123,29 @@ def load_rows(
     **load_dataset_kwargs: Any,
 ):
     """Rows of `datasets.load_dataset(source, split=split, **kwargs)`, optionally
-    filtered; a clear error if loading fails or leaves no rows.
+    filtered; a clear error if loading fails or leaves no rows, naming the file and
+    line of a local file that is not UTF-8 or not JSON objects.
     """
     import datasets
 
     where = f"dataset source={source!r} {load_dataset_kwargs}"
-    for path in _local_files(load_dataset_kwargs.get("data_files")):
+    files = _local_files(load_dataset_kwargs.get("data_files"))
+    for path in files:
         if path.stat().st_size == 0:
             raise ValueError(f"{where}: the file {path} is empty; add rows to it.")
+        bad = _non_utf8_line(path) if path.suffix.lower() in _TEXT_SUFFIXES else None
+        if bad:
+            raise ValueError(
+                f"the data file {path} is not UTF-8 text at {bad}; save it as UTF-8 "
+                "(e.g. iconv -f latin1 -t utf-8 FILE > NEW)."
+            )
     _check_hub_reachable(source)
     local = source in datasets.packaged_modules._PACKAGED_DATASETS_MODULES
     bars_on = datasets.utils.is_progress_bar_enabled()
-    if local:  # reading a local file needs no progress bar on stderr
-        datasets.disable_progress_bars()
+    verbosity = datasets.logging.get_verbosity()
+    if local:  # reading a local file needs no progress bar, nor a log line of its
+        datasets.disable_progress_bars()  # failure on stderr (we say it below)
+        datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     try:
         rows = datasets.load_dataset(source, split=split, **load_dataset_kwargs)
         if filter_fn is not None:
@@ -86,11 +156,18 @@ def load_rows(
             "parquet) with data_files: PATH."
         ) from None
     except (ValueError, StopIteration, datasets.exceptions.DatasetGenerationError) as e:
+        for path in files if source == "json" else []:
+            problem = _json_problem(path)
+            if problem:
+                raise ValueError(
+                    f"the data file {path}: {problem}; fix or remove it."
+                ) from None
         why = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ValueError(f"could not load {where}: {why}") from e
     finally:
         if local and bars_on:
             datasets.enable_progress_bars()
+        datasets.logging.set_verbosity(verbosity)
     if len(rows) == 0:
         raise ValueError(f"{where} has no rows (after filter_fn, if one is given).")
     return rows

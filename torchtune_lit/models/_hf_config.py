@@ -31,7 +31,7 @@ SUPPORTED_MODEL_TYPES = tuple(MODEL_FAMILIES)
 
 def read_hf_config(path_or_dict: Union[str, Path, dict]) -> dict[str, Any]:
     """The config as a dict, from a dict, a `config.json` path, or a checkpoint folder
-    containing one.
+    containing one; a file that is not a JSON object is named as such.
     """
     if isinstance(path_or_dict, dict):
         return dict(path_or_dict)
@@ -44,7 +44,20 @@ def read_hf_config(path_or_dict: Union[str, Path, dict]) -> dict[str, Any]:
             "folder holds a config.json beside its safetensors files (tunelit "
             "download fetches both)."
         )
-    return json.loads(path.read_text())
+    try:
+        config = json.loads(path.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        where = f" ({e.msg}, line {e.lineno})" if hasattr(e, "lineno") else ""
+        raise ValueError(
+            f"{path} is not JSON{where}: the file is damaged or is not a "
+            "config.json; download the checkpoint folder again."
+        ) from None
+    if not isinstance(config, dict):
+        raise ValueError(
+            f"{path} holds a JSON {type(config).__name__}, not an object of "
+            "settings: it is not a config.json; download the checkpoint folder again."
+        )
+    return config
 
 # %% ../../nbs/31_hf_config.ipynb #2a2dc4cc
 def _rope_parameters(cfg: dict[str, Any], layer_type: str) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 import torchtune_lit.config as config
 import torchtune_lit.generation as generation
 import torchtune_lit.training as training
+import torchtune_lit.training.metric_logging as metric_logging
 
 try:
     from lm_eval.api.model import LM
@@ -37,7 +38,7 @@ CONFIG_KEYS = {
     "seed": ("required", "seed of the data order, dropout and sampling"),
     "device": ("required", "cpu, cuda or cuda:N"),
     "dtype": ("fp32", "fp32 or bf16"),
-    "allowed_components": (None, "packages of your own this config may build from"),
+    "metric_logger": (None, "an extra logger component: gets the final scores"),
     "tokenizer": ("required", "the tokenizer component"),
     "checkpointer": ("required", "reads the base weights and writes the outputs"),
     "batch_size": (8, "samples per micro-batch (per process)"),
@@ -240,6 +241,11 @@ def evaluate(cfg: DictConfig) -> dict:
     lm_eval = _require_lm_eval()
     from lm_eval.tasks import TaskManager
 
+    # the optional extra logger (None without one), built before the model
+    metric_logger = metric_logging.start_metric_logger(
+        config.instantiate(cfg.get("metric_logger")),
+        OmegaConf.to_container(cfg, resolve=True),
+    )
     lm, checkpointer = _build_lm(cfg)
     with tempfile.TemporaryDirectory() as include:
         definitions = OmegaConf.to_container(
@@ -271,6 +277,13 @@ def evaluate(cfg: DictConfig) -> dict:
             indent=1,
         )
     )
+    training.runs.record_in_enclosing_run(output_dir)  # inside a run: the run's
+    if metric_logger is not None:  # every task's numbers, `task/metric`, at step 0
+        metric_logger.log_dict(
+            {f"{t}/{k}": v for t, values in scores.items() for k, v in values.items()},
+            0,
+        )
+        metric_logger.close()
     return scores
 
 # %% ../../nbs/93_eleuther_eval.ipynb #aba7076a

@@ -11,13 +11,14 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 import torchtune_lit.config as config
 import torchtune_lit.data as data
 import torchtune_lit.datasets as datasets
 import torchtune_lit.generation as generation
 import torchtune_lit.training as training
+import torchtune_lit.training.metric_logging as metric_logging
 
 # %% ../../nbs/92_eval_accuracy.ipynb #fc57a346
 # The config keys this recipe reads: key -> (default, meaning), "required" where the
@@ -31,7 +32,7 @@ CONFIG_KEYS = {
     "seed": ("required", "seed of the data order, dropout and sampling"),
     "device": ("required", "cpu, cuda or cuda:N"),
     "dtype": ("required", "fp32 or bf16"),
-    "allowed_components": (None, "packages of your own this config may build from"),
+    "metric_logger": (None, "an extra logger component: gets the final accuracy"),
     "tokenizer": ("required", "the tokenizer component"),
     "dataset": ("required", "the training dataset component"),
     "checkpointer": ("required", "reads the base weights and writes the outputs"),
@@ -64,6 +65,12 @@ def evaluate(cfg: DictConfig) -> dict:
     device = training.get_device(cfg.device)
     dtype = training.get_dtype(cfg.dtype, device)
     training.set_seed(cfg.seed)
+    # the optional extra logger (None without one), built first: a missing package
+    # stops the run before the model is loaded
+    metric_logger = metric_logging.start_metric_logger(
+        config.instantiate(cfg.get("metric_logger")),
+        OmegaConf.to_container(cfg, resolve=True),
+    )
     checkpointer = config.instantiate(cfg.checkpointer)
     model = training.load_model_for_eval(checkpointer, device, dtype)
     tokenizer = config.instantiate(cfg.tokenizer)
@@ -110,6 +117,10 @@ def evaluate(cfg: DictConfig) -> dict:
     output_dir = Path(cfg.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "eval.json").write_text(json.dumps(result, indent=1))
+    training.runs.record_in_enclosing_run(output_dir)  # run/eval_best: the run's
+    if metric_logger is not None:  # the accuracy as one point, at step 0
+        metric_logger.log_dict({"accuracy": accuracy, "n": len(pairs)}, 0)
+        metric_logger.close()
     result["table"] = confusion_table(pairs, labels)
     return result
 

@@ -15,7 +15,9 @@ import torchtune_lit.config as config
 import torchtune_lit.datasets as datasets
 import torchtune_lit.rlhf.preference_parts as preference_parts
 import torchtune_lit.training as training
+import torchtune_lit.training.metric_logging as metric_logging
 import torchtune_lit.training.preflight as preflight
+import torchtune_lit.training.runs as runs
 
 # %% ../../nbs/87_full_dpo_single_device.ipynb #a42250e8
 # The config keys this recipe reads: key -> (default, meaning), "required" where the
@@ -36,8 +38,8 @@ CONFIG_KEYS = {
         "keep saved activations in CPU memory (GPU only)",
     ),
     "progress_bar": (True, "show a progress bar"),
+    "metric_logger": (None, "an extra logger component (TensorBoard, W&B, MLflow)"),
     "preflight": (True, "check the setup before training (stops on an error)"),
-    "allowed_components": (None, "packages of your own this config may build from"),
     "model": ("required", "the model builder component"),
     "tokenizer": ("required", "the tokenizer component"),
     "dataset": ("required", "the training dataset component"),
@@ -78,7 +80,10 @@ def train(cfg: DictConfig) -> list[dict]:
     training.set_seed(cfg.seed)
     resume = cfg.get("resume_from_checkpoint", False)
     overwrite = cfg.get("overwrite", False)
-    output_dir = training.claim_output_dir(cfg.output_dir, resume, overwrite)
+    output_dir = training.claim_output_dir(  # refused in one line if not ours
+        cfg.output_dir, resume, overwrite, recipe="full_dpo_single_device",
+        input_dirs=[cfg.checkpointer.checkpoint_dir],
+    )
     settings = OmegaConf.to_container(cfg, resolve=True)
     training.save_run_config(settings, output_dir, resume)  # output_dir/config.yaml
     checkpointer = config.instantiate(cfg.checkpointer)
@@ -132,12 +137,18 @@ def train(cfg: DictConfig) -> list[dict]:
     resumed = None  # the recipe state of the step checkpoint resumed from
     if resume:
         resumed = training.resume_state(output_dir, model)
-    start = training.resume_position(
-        resumed, optimizer, lr_scheduler, output_dir / "log.jsonl"
+    start = training.resume_position(  # a changed optimizer.lr is taken, and said
+        resumed, optimizer, lr_scheduler, output_dir / "log.jsonl",
+        lr=OmegaConf.select(cfg, "optimizer.lr"),
+    )
+    # the optional extra logger (None without one): the config now, every step later
+    metric_logger = metric_logging.start_metric_logger(
+        config.instantiate(cfg.get("metric_logger")), settings
     )
     reporter = training.StepReporter(
         output_dir, total_steps, start.step, "preference",
         {"loss": ".4f", "rewards/margin": ".3f"}, cfg.get("progress_bar", True),
+        metric_logger=metric_logger,
     )  # fmt: skip
     batches = training.resumable_batches(
         loader, device, cfg.epochs, steps_per_epoch, accumulation, start
@@ -197,6 +208,7 @@ def train(cfg: DictConfig) -> list[dict]:
         {"model": model.state_dict()}, epoch=cfg.epochs - 1
     )
     print(f"Saved the model in Hugging Face format to {folder}")
+    runs.release_output_dir(output_dir)  # record what the run wrote; drop the lock
     return history
 
 # %% ../../nbs/87_full_dpo_single_device.ipynb #23d83df4

@@ -31,7 +31,6 @@ CONFIG_KEYS = {
     "seed": ("required", "seed of the data order, dropout and sampling"),
     "device": ("required", "cpu, cuda or cuda:N"),
     "dtype": ("required", "fp32 or bf16"),
-    "allowed_components": (None, "packages of your own this config may build from"),
     "tokenizer": ("required", "the tokenizer component"),
     "checkpointer": ("required", "reads the base weights and writes the outputs"),
     "prompt": ("required", "generate: the chat messages or text to continue"),

@@ -20,6 +20,8 @@ import torchtune_lit.rlhf as rlhf
 import torchtune_lit.rlhf.grpo_parts as grpo_parts
 import torchtune_lit.rlhf.rewards as rewards
 import torchtune_lit.training as training
+import torchtune_lit.training.metric_logging as metric_logging
+import torchtune_lit.training.runs as runs
 
 # %% ../../nbs/8b_grpo_full_finetune_distributed.ipynb #d05cdb2e
 # The config keys this recipe reads: key -> (default, meaning), "required" where the
@@ -36,7 +38,7 @@ CONFIG_KEYS = {
     "compile": (False, "torch.compile each layer"),
     "enable_activation_checkpointing": (False, "recompute activations in backward"),
     "progress_bar": (True, "show a progress bar"),
-    "allowed_components": (None, "packages of your own this config may build from"),
+    "metric_logger": (None, "an extra logger component (TensorBoard, W&B, MLflow)"),
     "model": ("required", "the model builder component"),
     "tokenizer": ("required", "the tokenizer component"),
     "dataset": ("required", "the training dataset component"),
@@ -55,6 +57,7 @@ CONFIG_KEYS = {
     ),
     "shuffle": (True, "shuffle the training set each epoch"),
     "reshard_after_forward": (True, "FSDP2: free gathered weights after forward"),
+    "overwrite": (False, "replace another run's outputs in output_dir"),
     "resume_from_checkpoint": (False, "continue this run from its newest step_N"),
     "save_every_n_steps": (None, "write a step_N checkpoint this often"),
     "keep_last_n_checkpoints": (2, "step_N folders to keep"),
@@ -83,8 +86,14 @@ def train(cfg: DictConfig) -> list[dict]:
     dtype = training.get_dtype(cfg.dtype, device)
     training.set_seed(cfg.seed)
     output_dir = Path(cfg.output_dir)
-    if rank == 0:  # output_dir/config.yaml
-        training.save_run_config(OmegaConf.to_container(cfg, resolve=True), output_dir)
+    settings = OmegaConf.to_container(cfg, resolve=True)
+    if rank == 0:  # claim output_dir (refused in one line if not ours); config.yaml
+        training.claim_output_dir(
+            output_dir, cfg.get("resume_from_checkpoint", False),
+            cfg.get("overwrite", False), recipe="grpo_full_finetune_distributed",
+            input_dirs=[cfg.checkpointer.checkpoint_dir],
+        )
+        training.save_run_config(settings, output_dir)
     checkpointer = config.instantiate(cfg.checkpointer)
     build_model = functools.partial(config.instantiate, cfg.model)
     sharding = dict(  # how every model this recipe loads is sharded
@@ -150,9 +159,14 @@ def train(cfg: DictConfig) -> list[dict]:
                 f"{start_validation['val_reward']:.3f}",
                 flush=True,
             )
+        # the optional extra logger: the config now, every step later
+        metric_logger = metric_logging.start_metric_logger(
+            config.instantiate(cfg.get("metric_logger")), settings
+        )
         reporter = training.StepReporter(
             output_dir, total_steps, start.step, "grpo",
             {"reward": ".3f", "kl": ".4f"}, cfg.get("progress_bar", True),
+            metric_logger=metric_logger,
         )  # fmt: skip
     batches = training.resumable_batches(
         loader, device, cfg.epochs, steps_per_epoch, accumulation, start
@@ -239,6 +253,8 @@ def train(cfg: DictConfig) -> list[dict]:
         print(grpo_parts.grpo_summary(history, start_validation), flush=True)
     training.save_final_sharded(model, checkpointer, cfg.epochs - 1, rank)
     dist.barrier()  # no rank leaves while rank 0 is still writing
+    if rank == 0:  # record what every rank wrote as the run's; drop the lock
+        runs.release_output_dir(output_dir)
     dist.destroy_process_group()
     return history
 

@@ -18,6 +18,8 @@ import torchtune_lit.rlhf as rlhf
 import torchtune_lit.rlhf.grpo_parts as grpo_parts
 import torchtune_lit.rlhf.rewards as rewards
 import torchtune_lit.training as training
+import torchtune_lit.training.metric_logging as metric_logging
+import torchtune_lit.training.runs as runs
 
 # %% ../../nbs/8a_grpo_full_finetune_single_device.ipynb #489e989a
 # The config keys this recipe reads: key -> (default, meaning), "required" where the
@@ -34,7 +36,7 @@ CONFIG_KEYS = {
     "compile": (False, "torch.compile each layer"),
     "enable_activation_checkpointing": (False, "recompute activations in backward"),
     "progress_bar": (True, "show a progress bar"),
-    "allowed_components": (None, "packages of your own this config may build from"),
+    "metric_logger": (None, "an extra logger component (TensorBoard, W&B, MLflow)"),
     "model": ("required", "the model builder component"),
     "tokenizer": ("required", "the tokenizer component"),
     "dataset": ("required", "the training dataset component"),
@@ -82,7 +84,10 @@ def train(cfg: DictConfig) -> list[dict]:
     training.set_seed(cfg.seed)
     resume = cfg.get("resume_from_checkpoint", False)
     overwrite = cfg.get("overwrite", False)
-    output_dir = training.claim_output_dir(cfg.output_dir, resume, overwrite)
+    output_dir = training.claim_output_dir(  # refused in one line if not ours
+        cfg.output_dir, resume, overwrite, recipe="grpo_full_finetune_single_device",
+        input_dirs=[cfg.checkpointer.checkpoint_dir],
+    )
     settings = OmegaConf.to_container(cfg, resolve=True)
     training.save_run_config(settings, output_dir, resume)  # output_dir/config.yaml
     checkpointer = config.instantiate(cfg.checkpointer)
@@ -126,8 +131,9 @@ def train(cfg: DictConfig) -> list[dict]:
     resumed = None  # the recipe state of the step checkpoint resumed from
     if resume:
         resumed = training.resume_state(output_dir, model, adapters)
-    start = training.resume_position(
-        resumed, optimizer, lr_scheduler, output_dir / "log.jsonl"
+    start = training.resume_position(  # a changed optimizer.lr is taken, and said
+        resumed, optimizer, lr_scheduler, output_dir / "log.jsonl",
+        lr=OmegaConf.select(cfg, "optimizer.lr"),
     )
     val_every = cfg.get("run_val_every_n_steps")
     start_validation = None
@@ -141,9 +147,14 @@ def train(cfg: DictConfig) -> list[dict]:
             f"{start_validation['val_reward']:.3f}",
             flush=True,
         )
+    # the optional extra logger (None without one): the config now, every step later
+    metric_logger = metric_logging.start_metric_logger(
+        config.instantiate(cfg.get("metric_logger")), settings
+    )
     reporter = training.StepReporter(
         output_dir, total_steps, start.step, "grpo", {"reward": ".3f", "kl": ".4f"},
         cfg.get("progress_bar", True),
+        metric_logger=metric_logger,
     )  # fmt: skip
     batches = training.resumable_batches(
         loader, device, cfg.epochs, steps_per_epoch, accumulation, start
@@ -225,6 +236,7 @@ def train(cfg: DictConfig) -> list[dict]:
         training.epoch_weights(model), epoch=cfg.epochs - 1
     )
     print(f"Saved the policy in Hugging Face format to {folder}", flush=True)
+    runs.release_output_dir(output_dir)  # record what the run wrote; drop the lock
     return history
 
 

@@ -19,6 +19,8 @@ from omegaconf import DictConfig, OmegaConf
 import torchtune_lit.config as config
 import torchtune_lit.datasets as datasets
 import torchtune_lit.training as training
+import torchtune_lit.training.metric_logging as metric_logging
+import torchtune_lit.training.runs as runs
 
 # %% ../../nbs/85b_knowledge_distillation_distributed.ipynb #b0b7aca6
 # The config keys this recipe reads: key -> (default, meaning), "required" where the
@@ -35,7 +37,7 @@ CONFIG_KEYS = {
     "compile": (False, "torch.compile each layer"),
     "enable_activation_checkpointing": (False, "recompute activations in backward"),
     "progress_bar": (True, "show a progress bar"),
-    "allowed_components": (None, "packages of your own this config may build from"),
+    "metric_logger": (None, "an extra logger component (TensorBoard, W&B, MLflow)"),
     "model": ("required", "the model builder component"),
     "tokenizer": ("required", "the tokenizer component"),
     "dataset": ("required", "the training dataset component"),
@@ -55,6 +57,7 @@ CONFIG_KEYS = {
     "shuffle": (True, "shuffle the training set each epoch"),
     "reshard_after_forward": (True, "FSDP2: free gathered weights after forward"),
     "sanity_check": (None, "train on only the first N samples (tunelit run --sanity)"),
+    "overwrite": (False, "replace another run's outputs in output_dir"),
     "resume_from_checkpoint": (False, "continue this run from its newest step_N"),
     "save_every_n_steps": (None, "write a step_N checkpoint this often"),
     "keep_last_n_checkpoints": (2, "step_N folders to keep"),
@@ -91,8 +94,17 @@ def train(cfg: DictConfig) -> dict:
     dtype = training.get_dtype(cfg.dtype, device)
     training.set_seed(cfg.seed)
     output_dir = Path(cfg.output_dir)
-    if rank == 0:  # output_dir/config.yaml
-        training.save_run_config(OmegaConf.to_container(cfg, resolve=True), output_dir)
+    settings = OmegaConf.to_container(cfg, resolve=True)
+    if rank == 0:  # claim output_dir (refused in one line if not ours); config.yaml
+        training.claim_output_dir(
+            output_dir, cfg.get("resume_from_checkpoint", False),
+            cfg.get("overwrite", False), recipe="knowledge_distillation_distributed",
+            input_dirs=[
+                cfg.checkpointer.checkpoint_dir,
+                cfg.teacher_checkpointer.checkpoint_dir,
+            ],
+        )
+        training.save_run_config(settings, output_dir)
     checkpointer = config.instantiate(cfg.checkpointer)
     build_model = functools.partial(config.instantiate, cfg.model)
     sharding = dict(  # how every model this recipe loads is sharded
@@ -155,10 +167,15 @@ def train(cfg: DictConfig) -> dict:
             kl_path.write_text(json.dumps({"kl_before": kl_before}))
     reporter = None
     if rank == 0:
+        # the optional extra logger: the config now, every step later
+        metric_logger = metric_logging.start_metric_logger(
+            config.instantiate(cfg.get("metric_logger")), settings
+        )
         reporter = training.StepReporter(
             output_dir, total_steps, start.step, "distil",
             {"loss": ".3f", "kd_loss": ".3f"}, cfg.get("progress_bar", True),
             print_steps=True,
+            metric_logger=metric_logger,
         )  # fmt: skip
     val_every = cfg.get("run_val_every_n_steps", steps_per_epoch)
     batches = training.resumable_batches(
@@ -233,6 +250,8 @@ def train(cfg: DictConfig) -> dict:
         )
     training.save_final_sharded(student, checkpointer, cfg.epochs - 1, rank)
     dist.barrier()  # no rank leaves while rank 0 is still writing
+    if rank == 0:  # record what every rank wrote as the run's; drop the lock
+        runs.release_output_dir(output_dir)
     dist.destroy_process_group()
     return {"history": history, "kl_before": kl_before, "kl_after": kl_after}
 

@@ -16,7 +16,9 @@ from omegaconf import DictConfig, OmegaConf
 import torchtune_lit.config as config
 import torchtune_lit.datasets as datasets
 import torchtune_lit.training as training
+import torchtune_lit.training.metric_logging as metric_logging
 import torchtune_lit.training.preflight as preflight
+import torchtune_lit.training.runs as runs
 
 # %% ../../nbs/85_knowledge_distillation_single_device.ipynb #ab3d7279
 # The config keys this recipe reads: key -> (default, meaning), "required" where the
@@ -38,7 +40,7 @@ CONFIG_KEYS = {
     ),
     "progress_bar": (True, "show a progress bar"),
     "preflight": (True, "check the setup before training (stops on an error)"),
-    "allowed_components": (None, "packages of your own this config may build from"),
+    "metric_logger": (None, "an extra logger component (TensorBoard, W&B, MLflow)"),
     "model": ("required", "the model builder component"),
     "tokenizer": ("required", "the tokenizer component"),
     "dataset": ("required", "the training dataset component"),
@@ -87,7 +89,13 @@ def train(cfg: DictConfig) -> dict:
     training.set_seed(cfg.seed)
     resume = cfg.get("resume_from_checkpoint", False)
     overwrite = cfg.get("overwrite", False)
-    output_dir = training.claim_output_dir(cfg.output_dir, resume, overwrite)
+    output_dir = training.claim_output_dir(  # refused in one line if not ours
+        cfg.output_dir, resume, overwrite,
+        recipe="knowledge_distillation_single_device",
+        input_dirs=[
+            cfg.checkpointer.checkpoint_dir, cfg.teacher_checkpointer.checkpoint_dir
+        ],
+    )
     settings = OmegaConf.to_container(cfg, resolve=True)
     training.save_run_config(settings, output_dir, resume)  # output_dir/config.yaml
     checkpointer = config.instantiate(cfg.checkpointer)
@@ -159,8 +167,9 @@ def train(cfg: DictConfig) -> dict:
     resumed = None  # the recipe state of the step checkpoint resumed from
     if resume:
         resumed = training.resume_state(output_dir, student, adapters_only=lora)
-    start = training.resume_position(
-        resumed, optimizer, lr_scheduler, output_dir / "log.jsonl"
+    start = training.resume_position(  # a changed optimizer.lr is taken, and said
+        resumed, optimizer, lr_scheduler, output_dir / "log.jsonl",
+        lr=OmegaConf.select(cfg, "optimizer.lr"),
     )
     kl_before = (
         resumed["kl_before"]
@@ -168,9 +177,14 @@ def train(cfg: DictConfig) -> dict:
         else training.kl_to_teacher(student, teacher, held_out)
     )
     val_every = cfg.get("run_val_every_n_steps", steps_per_epoch)
+    # the optional extra logger (None without one): the config now, every step later
+    metric_logger = metric_logging.start_metric_logger(
+        config.instantiate(cfg.get("metric_logger")), settings
+    )
     reporter = training.StepReporter(
         output_dir, total_steps, start.step, "distil",
         {"loss": ".3f", "kd_loss": ".3f"}, cfg.get("progress_bar", True),
+        metric_logger=metric_logger,
     )  # fmt: skip
     batches = training.resumable_batches(
         loader, device, cfg.epochs, steps_per_epoch, accumulation, start
@@ -237,6 +251,7 @@ def train(cfg: DictConfig) -> dict:
     state = training.epoch_weights(student)
     folder = checkpointer.save_checkpoint(state, epoch=cfg.epochs - 1)
     print(f"Saved the student in Hugging Face format to {folder}")
+    runs.release_output_dir(output_dir)  # record what the run wrote; drop the lock
     return {
         "history": history,
         "kl_before": kl_before,

@@ -20,6 +20,8 @@ import torchtune_lit.config as config
 import torchtune_lit.rlhf as rlhf
 import torchtune_lit.rlhf.rewards as rewards
 import torchtune_lit.training as training
+import torchtune_lit.training.metric_logging as metric_logging
+import torchtune_lit.training.runs as runs
 
 # %% ../../nbs/8d_ppo_full_finetune_single_device.ipynb #2b8d8a6c
 # The config keys this recipe reads: key -> (default, meaning), "required" where the
@@ -36,7 +38,7 @@ CONFIG_KEYS = {
     "compile": (False, "torch.compile each layer"),
     "enable_activation_checkpointing": (False, "recompute activations in backward"),
     "progress_bar": (True, "show a progress bar"),
-    "allowed_components": (None, "packages of your own this config may build from"),
+    "metric_logger": (None, "an extra logger component (TensorBoard, W&B, MLflow)"),
     "model": ("required", "the model builder component"),
     "tokenizer": ("required", "the tokenizer component"),
     "dataset": ("required", "the training dataset component"),
@@ -269,7 +271,14 @@ def train(cfg: DictConfig) -> dict:
     training.set_seed(cfg.seed)
     resume = cfg.get("resume_from_checkpoint", False)
     overwrite = cfg.get("overwrite", False)
-    output_dir = training.claim_output_dir(cfg.output_dir, resume, overwrite)
+    output_dir = training.claim_output_dir(  # refused in one line if not ours
+        cfg.output_dir, resume, overwrite, recipe="ppo_full_finetune_single_device",
+        input_dirs=[
+            cfg.checkpointer.checkpoint_dir,
+            cfg.reward_checkpoint_dir,
+            cfg.get("value_checkpoint_dir"),
+        ],
+    )
     settings = OmegaConf.to_container(cfg, resolve=True)
     training.save_run_config(settings, output_dir, resume)  # output_dir/config.yaml
     checkpointer = config.instantiate(cfg.checkpointer)
@@ -315,8 +324,9 @@ def train(cfg: DictConfig) -> dict:
         resumed = training.resume_state(output_dir, policy)
     if resumed is not None:
         value_model.load_state_dict(resumed["value_model"])
-    start = training.resume_position(
-        resumed, optimizer, lr_scheduler, output_dir / "log.jsonl"
+    start = training.resume_position(  # a changed optimizer.lr is taken, and said
+        resumed, optimizer, lr_scheduler, output_dir / "log.jsonl",
+        lr=OmegaConf.select(cfg, "optimizer.lr"),
     )
     start_validation = None
     if val_loader is not None:
@@ -329,9 +339,14 @@ def train(cfg: DictConfig) -> dict:
             f"{start_validation['val_accuracy']:.1%}",
             flush=True,
         )
+    # the optional extra logger (None without one): the config now, every step later
+    metric_logger = metric_logging.start_metric_logger(
+        config.instantiate(cfg.get("metric_logger")), settings
+    )
     reporter = training.StepReporter(
         output_dir, total_steps, start.step, "ppo", {"score": ".3f", "kl": ".3f"},
         cfg.get("progress_bar", True),
+        metric_logger=metric_logger,
     )  # fmt: skip
     val_every = cfg.get("run_val_every_n_steps")
     batches = training.resumable_batches(
@@ -405,6 +420,7 @@ def train(cfg: DictConfig) -> dict:
         cfg, checkpointer, policy, value_model, output_dir
     )
     print(f"Saved the policy to {policy_dir} and the value model to {value_dir}")
+    runs.release_output_dir(output_dir)  # record what the run wrote; drop the lock
     return {
         "history": history, "start": start_validation, "policy_dir": policy_dir,
         "value_dir": value_dir, "policy": policy, "reference": reference,

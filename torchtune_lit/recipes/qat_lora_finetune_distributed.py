@@ -17,7 +17,9 @@ from omegaconf import DictConfig, OmegaConf
 import torchtune_lit.config as config
 import torchtune_lit.datasets as datasets
 import torchtune_lit.training as training
+import torchtune_lit.training.metric_logging as metric_logging
 import torchtune_lit.training.preflight as preflight
+import torchtune_lit.training.runs as runs
 
 # %% ../../nbs/8g_qat_lora_finetune_distributed.ipynb #13976e15
 # The config keys this recipe reads: key -> (default, meaning), "required" where the
@@ -38,8 +40,8 @@ CONFIG_KEYS = {
         "keep saved activations in CPU memory (GPU only)",
     ),
     "progress_bar": (True, "show a progress bar"),
+    "metric_logger": (None, "an extra logger component (TensorBoard, W&B, MLflow)"),
     "preflight": (True, "check the setup before training (stops on an error)"),
-    "allowed_components": (None, "packages of your own this config may build from"),
     "model": ("required", "the model builder component"),
     "tokenizer": ("required", "the tokenizer component"),
     "dataset": ("required", "the training dataset component"),
@@ -67,6 +69,7 @@ CONFIG_KEYS = {
         "processes that split each layer (full distributed recipes)",
     ),
     "sanity_check": (None, "train on only the first N samples (tunelit run --sanity)"),
+    "overwrite": (False, "replace another run's outputs in output_dir"),
     "resume_from_checkpoint": (False, "continue this run from its newest step_N"),
     "save_every_n_steps": (None, "write a step_N checkpoint this often"),
     "keep_last_n_checkpoints": (2, "step_N folders to keep"),
@@ -96,8 +99,14 @@ def train(cfg: DictConfig) -> list[dict]:
     dtype = training.get_dtype(cfg.dtype, device)
     training.set_seed(cfg.seed)
     output_dir = Path(cfg.output_dir)
-    if rank == 0:  # output_dir/config.yaml
-        training.save_run_config(OmegaConf.to_container(cfg, resolve=True), output_dir)
+    settings = OmegaConf.to_container(cfg, resolve=True)
+    if rank == 0:  # claim output_dir (refused in one line if not ours); config.yaml
+        training.claim_output_dir(
+            output_dir, cfg.get("resume_from_checkpoint", False),
+            cfg.get("overwrite", False), recipe="qat_lora_finetune_distributed",
+            input_dirs=[cfg.checkpointer.checkpoint_dir],
+        )
+        training.save_run_config(settings, output_dir)
     mesh = training.device_mesh(device, world_size, cfg.get("tensor_parallel_dim", 1))
     # the processes of one tensor-parallel group read the same rows
     data_rank, data_world = rank, world_size
@@ -167,9 +176,14 @@ def train(cfg: DictConfig) -> list[dict]:
         )
     reporter = None
     if rank == 0:
+        # the optional extra logger: the config now, every step later
+        metric_logger = metric_logging.start_metric_logger(
+            config.instantiate(cfg.get("metric_logger")), settings
+        )
         reporter = training.StepReporter(
             output_dir, total_steps, start.step, "train", {"loss": ".4f", "lr": ".1e"},
             cfg.get("progress_bar", True), print_steps=True,
+            metric_logger=metric_logger,
         )  # fmt: skip
     batches = training.resumable_batches(
         loader, device, cfg.epochs, steps_per_epoch, accumulation, start
@@ -224,6 +238,8 @@ def train(cfg: DictConfig) -> list[dict]:
     history = reporter.close() if reporter is not None else []
     training.save_final_sharded(model, checkpointer, cfg.epochs - 1, rank)
     dist.barrier()  # no rank leaves while rank 0 is still writing
+    if rank == 0:  # record what every rank wrote as the run's; drop the lock
+        runs.release_output_dir(output_dir)
     dist.destroy_process_group()
     return history
 

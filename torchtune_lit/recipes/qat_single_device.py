@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 import torchtune_lit.config as config
 import torchtune_lit.datasets as datasets
 import torchtune_lit.training as training
+import torchtune_lit.training.metric_logging as metric_logging
 import torchtune_lit.training.preflight as preflight
 import torchtune_lit.training.runs as runs
 
@@ -38,8 +39,7 @@ CONFIG_KEYS = {
     ),
     "progress_bar": (True, "show a progress bar"),
     "preflight": (True, "check the setup before training (stops on an error)"),
-    "allowed_components": (None, "packages of your own this config may build from"),
-    "metric_logger": (None, "an extra logger component (TensorBoard, W&B)"),
+    "metric_logger": (None, "an extra logger component (TensorBoard, W&B, MLflow)"),
     "model": ("required", "the model builder component"),
     "tokenizer": ("required", "the tokenizer component"),
     "dataset": ("required", "the training dataset component"),
@@ -101,7 +101,10 @@ def train(cfg: DictConfig) -> list[dict]:
     training.set_seed(cfg.seed)
     resume = cfg.get("resume_from_checkpoint", False)
     overwrite = cfg.get("overwrite", False)
-    output_dir = training.claim_output_dir(cfg.output_dir, resume, overwrite)
+    output_dir = training.claim_output_dir(  # refused in one line if not ours
+        cfg.output_dir, resume, overwrite, recipe="qat_single_device",
+        input_dirs=[cfg.checkpointer.checkpoint_dir],
+    )
     settings = OmegaConf.to_container(cfg, resolve=True)
     training.save_run_config(settings, output_dir, resume)  # output_dir/config.yaml
     checkpointer = config.instantiate(cfg.checkpointer)
@@ -160,14 +163,19 @@ def train(cfg: DictConfig) -> list[dict]:
     resumed = None  # the recipe state of the step checkpoint resumed from
     if resume:
         resumed = training.resume_state(output_dir, model)
-    start = training.resume_position(
-        resumed, optimizer, lr_scheduler, output_dir / "log.jsonl"
+    start = training.resume_position(  # a changed optimizer.lr is taken, and said
+        resumed, optimizer, lr_scheduler, output_dir / "log.jsonl",
+        lr=OmegaConf.select(cfg, "optimizer.lr"),
+    )
+    # the optional extra logger (None without one): the config now, every step later
+    metric_logger = metric_logging.start_metric_logger(
+        config.instantiate(cfg.get("metric_logger")), settings
     )
     tracker = runs.RunTracker(
         output_dir, "qat_single_device", resumed is not None,
         total_steps, start.step,
         cfg.get("keep_last_n_epochs"), cfg.get("early_stopping_patience"),
-        config.instantiate(cfg.get("metric_logger")), cfg.get("progress_bar", True),
+        metric_logger, cfg.get("progress_bar", True),
         cfg.get("evaluate_with"),
     )  # fmt: skip
     batches = training.resumable_batches(

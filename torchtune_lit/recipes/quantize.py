@@ -35,7 +35,6 @@ CONFIG_KEYS = {
     ),
     "seed": ("required", "seed of the data order, dropout and sampling"),
     "device": ("required", "cpu, cuda or cuda:N"),
-    "allowed_components": (None, "packages of your own this config may build from"),
     "tokenizer": ("required", "the tokenizer component"),
     "checkpointer": ("required", "reads the base weights and writes the outputs"),
     "batch_size": ("required", "samples per micro-batch (per process)"),
@@ -144,6 +143,7 @@ def quantize(cfg: DictConfig) -> dict:
         "quantized_megabytes": file_megabytes(path),
     }
     (Path(cfg.output_dir) / "quantize.json").write_text(json.dumps(result, indent=1))
+    training.runs.record_in_enclosing_run(cfg.output_dir)  # inside a run: the run's
     return result
 
 # %% ../../nbs/86_quantize.ipynb #84375d14

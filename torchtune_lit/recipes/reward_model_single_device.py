@@ -16,6 +16,8 @@ import torchtune_lit.config as config
 import torchtune_lit.rlhf as rlhf
 import torchtune_lit.rlhf.preference_parts as preference_parts
 import torchtune_lit.training as training
+import torchtune_lit.training.metric_logging as metric_logging
+import torchtune_lit.training.runs as runs
 
 # %% ../../nbs/8c_reward_model_single_device.ipynb #231c12e9
 # The config keys this recipe reads: key -> (default, meaning), "required" where the
@@ -30,7 +32,7 @@ CONFIG_KEYS = {
     "device": ("required", "cpu, cuda or cuda:N"),
     "dtype": ("required", "fp32 or bf16"),
     "progress_bar": (True, "show a progress bar"),
-    "allowed_components": (None, "packages of your own this config may build from"),
+    "metric_logger": (None, "an extra logger component (TensorBoard, W&B, MLflow)"),
     "model": ("required", "the model builder component"),
     "tokenizer": ("required", "the tokenizer component"),
     "dataset": ("required", "the training dataset component"),
@@ -129,7 +131,10 @@ def train(cfg: DictConfig) -> dict:
     training.set_seed(cfg.seed)
     resume = cfg.get("resume_from_checkpoint", False)
     overwrite = cfg.get("overwrite", False)
-    output_dir = training.claim_output_dir(cfg.output_dir, resume, overwrite)
+    output_dir = training.claim_output_dir(  # refused in one line if not ours
+        cfg.output_dir, resume, overwrite, recipe="reward_model_single_device",
+        input_dirs=[cfg.checkpointer.checkpoint_dir],
+    )
     settings = OmegaConf.to_container(cfg, resolve=True)
     training.save_run_config(settings, output_dir, resume)  # output_dir/config.yaml
     checkpointer = config.instantiate(cfg.checkpointer)
@@ -164,15 +169,21 @@ def train(cfg: DictConfig) -> dict:
         training.load_model_state_dict(model, weights)
         state = training.load_recipe_state(folder)
         print(f"Resuming from {folder}")
-    start = training.resume_position(
-        state, optimizer, lr_scheduler, output_dir / "log.jsonl"
+    start = training.resume_position(  # a changed optimizer.lr is taken, and said
+        state, optimizer, lr_scheduler, output_dir / "log.jsonl",
+        lr=OmegaConf.select(cfg, "optimizer.lr"),
     )
     before = None
     if val_loader is not None:
         before = reward_validation(model, val_loader, device)
+    # the optional extra logger (None without one): the config now, every step later
+    metric_logger = metric_logging.start_metric_logger(
+        config.instantiate(cfg.get("metric_logger")), settings
+    )
     reporter = training.StepReporter(
         output_dir, total_steps, start.step, "reward",
         {"loss": ".4f", "accuracy": ".2f"}, cfg.get("progress_bar", True),
+        metric_logger=metric_logger,
     )  # fmt: skip
     val_every = cfg.get("run_val_every_n_steps", steps_per_epoch)
     batches = training.resumable_batches(
@@ -241,6 +252,7 @@ def train(cfg: DictConfig) -> dict:
             f"{after['val_loss']:.4f})"
         )
     print(f"Saved the reward model (Hugging Face sequence classifier) to {folder}")
+    runs.release_output_dir(output_dir)  # record what the run wrote; drop the lock
     return {
         "history": history,
         "before": before,

@@ -20,6 +20,8 @@ from torch.utils.data import DistributedSampler
 import torchtune_lit.config as config
 import torchtune_lit.tabular as tabular
 import torchtune_lit.training as training
+import torchtune_lit.training.metric_logging as metric_logging
+import torchtune_lit.training.runs as runs
 
 # %% ../../nbs/98b_tabular_pretrain_distributed.ipynb #62caeb3e
 # The config keys this recipe reads: key -> (default, meaning), "required" where the
@@ -34,7 +36,7 @@ CONFIG_KEYS = {
     "device": ("required", "cpu, cuda or cuda:N"),
     "dtype": ("required", "fp32 or bf16"),
     "progress_bar": (True, "show a progress bar"),
-    "allowed_components": (None, "packages of your own this config may build from"),
+    "metric_logger": (None, "an extra logger component (TensorBoard, W&B, MLflow)"),
     "model": ("required", "the model builder component"),
     "dataset": ("required", "the training dataset component"),
     "validation_dataset": (None, "held-out dataset for val_loss and best/"),
@@ -49,6 +51,7 @@ CONFIG_KEYS = {
         "clip the gradient norm to this value (null: no clipping)",
     ),
     "shuffle": (True, "shuffle the training set each epoch"),
+    "overwrite": (False, "replace another run's outputs in output_dir"),
     "resume_from_checkpoint": (False, "continue this run from its newest step_N"),
     "save_every_n_steps": (None, "write a step_N checkpoint this often"),
     "keep_last_n_checkpoints": (2, "step_N folders to keep"),
@@ -67,8 +70,13 @@ def train(cfg: DictConfig) -> list[dict]:
     dtype = training.get_dtype(cfg.dtype, device)
     training.set_seed(cfg.seed)
     output_dir = Path(cfg.output_dir)
-    if rank == 0:  # output_dir/config.yaml
-        training.save_run_config(OmegaConf.to_container(cfg, resolve=True), output_dir)
+    settings = OmegaConf.to_container(cfg, resolve=True)
+    if rank == 0:  # claim output_dir (refused in one line if not ours); config.yaml
+        training.claim_output_dir(
+            output_dir, cfg.get("resume_from_checkpoint", False),
+            cfg.get("overwrite", False), recipe="tabular_pretrain_distributed",
+        )
+        training.save_run_config(settings, output_dir)
     model = config.instantiate(cfg.model).to(device=device, dtype=dtype)
     dataset = config.instantiate(cfg.dataset)
     report = tabular.check_table_setup(model, dataset, cfg.get("eval_tables"))
@@ -111,10 +119,15 @@ def train(cfg: DictConfig) -> list[dict]:
         )
     reporter = None
     if rank == 0:
+        # the optional extra logger: the config now, every step later
+        metric_logger = metric_logging.start_metric_logger(
+            config.instantiate(cfg.get("metric_logger")), settings
+        )
         reporter = training.StepReporter(
             output_dir, total_steps, start.step, "tabular",
             {"loss": ".4f", "accuracy": ".3f"}, cfg.get("progress_bar", True),
             print_steps=True,
+            metric_logger=metric_logger,
         )  # fmt: skip
     batches = training.resumable_batches(
         loader, device, cfg.epochs, steps_per_epoch, accumulation, start
@@ -184,6 +197,8 @@ def train(cfg: DictConfig) -> list[dict]:
             (output_dir / "eval.json").write_text(json.dumps(results, indent=2) + "\n")
             print(json.dumps(results), flush=True)
     dist.barrier()  # no process leaves while process 0 is still writing
+    if rank == 0:  # record what every rank wrote as the run's; drop the lock
+        runs.release_output_dir(output_dir)
     dist.destroy_process_group()
     return history
 

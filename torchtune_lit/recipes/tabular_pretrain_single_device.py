@@ -17,6 +17,8 @@ from omegaconf import DictConfig, OmegaConf
 import torchtune_lit.config as config
 import torchtune_lit.tabular as tabular
 import torchtune_lit.training as training
+import torchtune_lit.training.metric_logging as metric_logging
+import torchtune_lit.training.runs as runs
 
 # %% ../../nbs/98_tabular_pretrain_single_device.ipynb #7d50f355
 # The config keys this recipe reads: key -> (default, meaning), "required" where the
@@ -31,7 +33,7 @@ CONFIG_KEYS = {
     "device": ("required", "cpu, cuda or cuda:N"),
     "dtype": ("required", "fp32 or bf16"),
     "progress_bar": (True, "show a progress bar"),
-    "allowed_components": (None, "packages of your own this config may build from"),
+    "metric_logger": (None, "an extra logger component (TensorBoard, W&B, MLflow)"),
     "model": ("required", "the model builder component"),
     "dataset": ("required", "the training dataset component"),
     "validation_dataset": (None, "held-out dataset for val_loss and best/"),
@@ -86,7 +88,9 @@ def train(cfg: DictConfig) -> dict:
     training.set_seed(cfg.seed)
     resume = cfg.get("resume_from_checkpoint", False)
     overwrite = cfg.get("overwrite", False)
-    output_dir = training.claim_output_dir(cfg.output_dir, resume, overwrite)
+    output_dir = training.claim_output_dir(  # refused in one line if not ours
+        cfg.output_dir, resume, overwrite, recipe="tabular_pretrain_single_device",
+    )
     settings = OmegaConf.to_container(cfg, resolve=True)
     training.save_run_config(settings, output_dir, resume)  # output_dir/config.yaml
     model = config.instantiate(cfg.model).to(device=device, dtype=dtype)
@@ -129,12 +133,18 @@ def train(cfg: DictConfig) -> dict:
         training.load_model_state_dict(model, saved.state_dict())
         state = training.load_recipe_state(folder)
         print(f"Resuming from {folder}")
-    start = training.resume_position(
-        state, optimizer, lr_scheduler, output_dir / "log.jsonl"
+    start = training.resume_position(  # a changed optimizer.lr is taken, and said
+        state, optimizer, lr_scheduler, output_dir / "log.jsonl",
+        lr=OmegaConf.select(cfg, "optimizer.lr"),
+    )
+    # the optional extra logger (None without one): the config now, every step later
+    metric_logger = metric_logging.start_metric_logger(
+        config.instantiate(cfg.get("metric_logger")), settings
     )
     reporter = training.StepReporter(
         output_dir, total_steps, start.step, "tabular",
         {"loss": ".4f", "accuracy": ".3f"}, cfg.get("progress_bar", True),
+        metric_logger=metric_logger,
     )  # fmt: skip
     val_every = cfg.get("run_val_every_n_steps") or steps_per_epoch
     batches = training.resumable_batches(
@@ -191,6 +201,7 @@ def train(cfg: DictConfig) -> dict:
     )
     print(f"Saved the table model to {folder}")
     results = evaluate(cfg, model, output_dir) if cfg.get("eval_tables") else None
+    runs.release_output_dir(output_dir)  # record what the run wrote; drop the lock
     return {"history": history, "folder": folder, "eval": results, "model": model}
 
 # %% ../../nbs/98_tabular_pretrain_single_device.ipynb #51ca4080

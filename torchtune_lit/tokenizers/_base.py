@@ -145,9 +145,25 @@ class TikTokenBaseTokenizer:
 
 # %% ../../nbs/40_base_tokenizers.ipynb #645eefcb
 def _read_json(path: Union[str, Path]) -> dict:
-    "The JSON object in `path`, or {} when there is no such file."
+    """The JSON object in `path`, or {} when there is no such file; a file that is
+    empty, not JSON or not an object is named as such."""
     path = Path(path)
-    return json.loads(path.read_text()) if path.is_file() else {}
+    if not path.is_file():
+        return {}
+    try:
+        value = json.loads(path.read_bytes())
+        kind = type(value).__name__
+        what = None if isinstance(value, dict) else f"holds a JSON {kind}"
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        what = f"is not JSON ({getattr(e, 'msg', 'not UTF-8 text')})"
+    if what and path.stat().st_size == 0:
+        what = "is empty"
+    if what:
+        raise ValueError(
+            f"{path} {what}: the file is damaged or is not a {path.name}; download "
+            "the model's tokenizer files again (tunelit download ...)."
+        )
+    return value
 
 
 def _token_text(token) -> Optional[str]:
@@ -187,7 +203,15 @@ class HuggingFaceBaseTokenizer:
         from tokenizers import Tokenizer
 
         path = _require_file(tokenizer_json_path, "tokenizer.json")
-        self.tokenizer = Tokenizer.from_file(str(path))
+        try:
+            self.tokenizer = Tokenizer.from_file(str(path))
+        except Exception as e:  # the library's message blames the JSON parser
+            _read_json(path)  # empty, or not JSON: named as such
+            raise ValueError(
+                f"{path} is JSON but not a tokenizer the tokenizers library can read "
+                f"({str(e).splitlines()[0]}); download the model's tokenizer files "
+                "again."
+            ) from None
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
         config = _read_json(
             tokenizer_config_json_path or path.with_name("tokenizer_config.json")

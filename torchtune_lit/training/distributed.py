@@ -185,9 +185,13 @@ def resume_sharded(
             "no step_N checkpoint; run with save_every_n_steps first, or drop "
             "resume_from_checkpoint."
         )
+    built = resume.base_lrs(optimizer)  # this run's rates, which resuming keeps
     state = sharding.load_sharded_checkpoint(model, optimizer, folder)
     if lr_scheduler is not None and state.get("lr_scheduler") is not None:
         lr_scheduler.load_state_dict(state["lr_scheduler"])
+    changed = resume.set_base_lrs(optimizer, lr_scheduler, built)
+    if changed and rank == 0:
+        print(f"Resuming with the new learning rate: {changed}", flush=True)
     if rank == 0:
         resume.truncate_log(Path(output_dir) / "log.jsonl", state["step"])
         print(f"Resuming from {folder} (sharded checkpoint)", flush=True)

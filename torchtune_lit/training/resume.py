@@ -4,8 +4,9 @@
 
 # %% auto #0
 __all__ = ['capture_rng_state', 'restore_rng_state', 'latest_step_checkpoint', 'load_recipe_state', 'prune_step_checkpoints',
-           'resume_state', 'make_recipe_state', 'restore_training_state', 'ResumePosition', 'resume_position',
-           'truncate_log', 'step_weights', 'epoch_weights', 'save_step_checkpoint', 'resumable_batches']
+           'resume_state', 'make_recipe_state', 'base_lrs', 'set_base_lrs', 'restore_training_state', 'ResumePosition',
+           'resume_position', 'truncate_log', 'step_weights', 'epoch_weights', 'save_step_checkpoint',
+           'resumable_batches']
 
 # %% ../../nbs/71c_resume.ipynb #eb4baa9f
 import json
@@ -21,6 +22,7 @@ import torchtune_lit.modules.peft as peft
 from torchtune_lit.training.checkpointing import (
     CheckpointError,
     FullModelHFCheckpointer,
+    find_nonfinite,
     load_model_state_dict,
 )
 
@@ -57,10 +59,25 @@ def latest_step_checkpoint(output_dir: Union[str, Path]) -> Optional[Path]:
 
 
 def load_recipe_state(folder: Union[str, Path]) -> dict[str, Any]:
-    "recipe_state.pt of an intermediate checkpoint, read with weights_only=True."
-    return torch.load(
-        Path(folder) / "recipe_state.pt", map_location="cpu", weights_only=True
-    )
+    """recipe_state.pt of an intermediate checkpoint, read with weights_only=True; a
+    file torch cannot read, or that holds no step, is refused as damaged."""
+    path = Path(folder) / "recipe_state.pt"
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise
+    except Exception as e:  # truncated zip, garbage bytes, pickled objects
+        state, why = None, type(e).__name__
+    else:
+        why = "it holds no step"
+    if not isinstance(state, dict) or "step" not in state:
+        raise CheckpointError(
+            f"{path} is damaged ({why}, {path.stat().st_size:,} bytes): this step "
+            f"checkpoint cannot be resumed from. Delete {Path(folder).name} to resume "
+            "from the step checkpoint before it, or start again without "
+            "resume_from_checkpoint."
+        )
+    return state
 
 
 def prune_step_checkpoints(output_dir: Union[str, Path], keep: int) -> None:
@@ -88,6 +105,12 @@ def resume_state(
         )
     state = load_recipe_state(folder)
     if adapters_only:
+        bad = find_nonfinite(state["adapter_weights"])
+        if bad:
+            raise CheckpointError(
+                f"{folder}'s adapter weights contain {bad}: the checkpoint is damaged; "
+                "delete it to resume from the step checkpoint before it."
+            )
         _load_adapter_weights(model, state["adapter_weights"], folder)
     else:
         weights = FullModelHFCheckpointer(folder).load_checkpoint()["model"]
@@ -123,15 +146,64 @@ def make_recipe_state(
     }
 
 
+def base_lrs(optimizer: torch.optim.Optimizer) -> list[float]:
+    """Each parameter group's base learning rate: the `initial_lr` a scheduler set,
+    else its `lr`."""
+    return [float(g.get("initial_lr", g["lr"])) for g in optimizer.param_groups]
+
+
+def _set_group_value(group: dict, key: str, value: float) -> None:
+    "Set a group's rate, in place where the optimizer keeps it as a tensor (torchao)."
+    if isinstance(group[key], torch.Tensor):
+        group[key].fill_(value)
+    else:
+        group[key] = value
+
+
+def set_base_lrs(
+    optimizer: torch.optim.Optimizer, lr_scheduler: Any, lrs: list[float]
+) -> Optional[str]:
+    """Make `lrs` (one per parameter group) the base learning rates, and set each
+    group's current rate at the scheduler's position; returns what changed (old -> new)
+    or None when nothing did."""
+    old, lrs = base_lrs(optimizer), [float(lr) for lr in lrs]
+    if len(lrs) != len(old) or lrs == old:
+        return None
+    lambdas = getattr(lr_scheduler, "lr_lambdas", None)  # LambdaLR: our schedules
+    for i, (group, new) in enumerate(zip(optimizer.param_groups, lrs)):
+        if "initial_lr" in group:
+            _set_group_value(group, "initial_lr", new)
+        if lambdas is not None:
+            current = new * lambdas[i](lr_scheduler.last_epoch)
+        else:
+            current = float(group["lr"]) * new / old[i] if old[i] else new
+        _set_group_value(group, "lr", current)
+    if lr_scheduler is not None:
+        lr_scheduler.base_lrs = lrs
+        lr_scheduler._last_lr = [float(g["lr"]) for g in optimizer.param_groups]
+
+    def one(values: list[float]) -> str:
+        shown = [f"{v:.6g}" for v in values]
+        return shown[0] if len(set(shown)) == 1 else ", ".join(shown)
+
+    return f"learning rate {one(old)} -> {one(lrs)}"
+
+
 def restore_training_state(
-    state: dict[str, Any], optimizer: torch.optim.Optimizer, lr_scheduler: Any
-) -> None:
+    state: dict[str, Any],
+    optimizer: torch.optim.Optimizer,
+    lr_scheduler: Any,
+    lr: Optional[float] = None,
+) -> Optional[str]:
     """Load optimizer and scheduler state from a recipe state (the random states are
-    restored by the loop).
+    restored by the loop), keeping the learning rate the optimizer was built with (or
+    `lr`, the config's optimizer.lr); returns what changed, or None.
     """
+    built = base_lrs(optimizer) if lr is None else [lr] * len(optimizer.param_groups)
     optimizer.load_state_dict(state["optimizer"])
     if lr_scheduler is not None and state.get("lr_scheduler") is not None:
         lr_scheduler.load_state_dict(state["lr_scheduler"])
+    return set_base_lrs(optimizer, lr_scheduler, built)
 
 # %% ../../nbs/71c_resume.ipynb #1caa3e3b
 class ResumePosition(NamedTuple):
@@ -148,13 +220,15 @@ def resume_position(
     optimizer: torch.optim.Optimizer,
     lr_scheduler: Any,
     log_path: Union[str, Path],
+    lr: Optional[float] = None,
 ) -> ResumePosition:
     """Where a loop continues after the recipe state `state` (None: a fresh run).
-    Restores optimizer and scheduler and drops log lines after the checkpoint's step.
+    Restores optimizer and scheduler (with the learning rate the optimizer was built
+    with, or `lr`) and drops log lines after the checkpoint's step.
     """
     if state is None:
         return ResumePosition()
-    restore_training_state(state, optimizer, lr_scheduler)
+    restore_training_state(state, optimizer, lr_scheduler, lr)
     truncate_log(log_path, state["step"])
     return ResumePosition(
         state["epoch"], state["steps_into_epoch"], state["step"], state["rng"]

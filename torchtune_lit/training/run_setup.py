@@ -121,8 +121,8 @@ def save_run_config(
 ) -> Path:
     """Write `config` (plain containers: the recipe's config, resolved) to
     output_dir/config.yaml atomically, creating output_dir; return that file. When
-    `resume`, the config.yaml already there is compared first: a changed model is
-    refused, each other change printed as a WARNING."""
+    `resume`, the config.yaml already there is compared first: a change that makes
+    another run is refused, each change a run may take printed as a WARNING."""
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     saved = output_dir / "config.yaml"

@@ -22,7 +22,7 @@ from torchtune_lit.training.atomic import (
 )
 
 from .checkpointing import CheckpointError, check_state_dict
-from .resume import capture_rng_state
+from .resume import capture_rng_state, load_recipe_state
 
 # %% ../../nbs/73_distributed.ipynb #0529f7fa
 def init_distributed() -> tuple[int, int, torch.device]:
@@ -180,9 +180,7 @@ def load_sharded_checkpoint(
         model_state_dict=state["model"],
         optim_state_dict=state["optimizer"],
     )
-    recipe_state = torch.load(
-        folder / "recipe_state.pt", map_location="cpu", weights_only=True
-    )
+    recipe_state = load_recipe_state(folder)  # a damaged file: one line naming it
     rng_file = folder / f"rng_rank{dist.get_rank()}.pt"
     if not rng_file.is_file():
         raise FileNotFoundError(
