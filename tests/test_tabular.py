@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from torchtune_lit.training import runs
+
 TUNELIT = str(Path(sys.executable).parent / "tunelit")
 SHORT = ["epochs=1", "max_steps_per_epoch=6", "eval_tables=null", "lr_scheduler.num_warmup_steps=2",
          "validation_dataset.num_tasks=16", "run_val_every_n_steps=3"]
@@ -44,9 +46,10 @@ def test_two_processes_match_one_and_resume(tmp_path):
     assert all(abs(a[0] - b[0]) <= 1e-3 * a[0] and abs(a[1] - b[1]) <= 0.01 for a, b in zip(val_one, val_two)), (
         val_one, val_two)
     # a run stopped after its sharded step_3 checkpoint, resumed: the same steps 4-6
-    stopped = tmp_path / "stopped"
-    stopped.mkdir()
+    # (made as a run makes it: claimed, step_3 written, let go, so step_3 is the run's own)
+    stopped = runs.claim_output_dir(tmp_path / "stopped", recipe="tabular_pretrain_distributed")
     shutil.copytree(tmp_path / "two" / "step_3", stopped / "step_3")
+    runs.release_output_dir(stopped)
     out = run("--nproc_per_node", "2", "--master_port", "29543", "tabular_pretrain_distributed", "--config",
               "tiny/tabular_distributed", f"output_dir={stopped}", "resume_from_checkpoint=true", *SHORT)
     assert "Resuming from" in out

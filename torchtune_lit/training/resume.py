@@ -167,7 +167,9 @@ def set_base_lrs(
     group's current rate at the scheduler's position; returns what changed (old -> new)
     or None when nothing did."""
     old, lrs = base_lrs(optimizer), [float(lr) for lr in lrs]
-    if len(lrs) != len(old) or lrs == old:
+    # equal up to float32 rounding: an optimizer may keep its rate as a float32 tensor
+    same = all(abs(a - b) <= 1e-6 * max(abs(a), abs(b)) for a, b in zip(lrs, old))
+    if len(lrs) != len(old) or same:
         return None
     lambdas = getattr(lr_scheduler, "lr_lambdas", None)  # LambdaLR: our schedules
     for i, (group, new) in enumerate(zip(optimizer.param_groups, lrs)):
