@@ -102,9 +102,12 @@ def test_a_run_folder_from_before_manifests_is_adopted(tmp_path, capsys):
     (folder / "epoch_0").mkdir(parents=True)
     (folder / "run.json").write_text(json.dumps({"run_id": "abc", "recipe": "demo", "status": "finished"}))
     (folder / "log.jsonl").write_text("")
+    (folder / "loss.png").write_bytes(b"png")              # `tunelit plot`
+    (folder / "eval_best").mkdir()                          # make main's evaluation of best/
+    (folder / "eval_best" / "eval.json").write_text("{}")
     claim_output_dir(folder, overwrite=True)
     assert "made before runs recorded" in capsys.readouterr().out
-    assert not (folder / "epoch_0").exists() and not (folder / "run.json").exists()
+    assert not any((folder / n).exists() for n in ("epoch_0", "run.json", "loss.png", "eval_best"))
     release_output_dir(folder)
 
 

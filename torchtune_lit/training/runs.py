@@ -102,6 +102,12 @@ def _legacy_outputs(folder: Path) -> list[str]:
     names = {n for n in RUN_FILES if (folder / n).exists()}
     for pattern in RUN_FOLDERS:
         names |= {p.name for p in folder.glob(pattern)}
+    if (folder / "loss.png").is_file():  # what `tunelit plot` drew of it
+        names.add("loss.png")
+    results = ("eval.json", "eleuther_eval.json", "quantize.json")
+    for sub in folder.iterdir():  # an evaluation written into it (make main's eval_best)
+        if sub.is_dir() and any((sub / r).is_file() for r in results):
+            names.add(sub.name)
     return sorted(names)
 
 
