@@ -105,7 +105,8 @@ def _legacy_outputs(folder: Path) -> list[str]:
     if (folder / "loss.png").is_file():  # what `tunelit plot` drew of it
         names.add("loss.png")
     results = ("eval.json", "eleuther_eval.json", "quantize.json")
-    for sub in folder.iterdir():  # an evaluation written into it (make main's eval_best)
+    # an evaluation written into it (make main's eval_best)
+    for sub in folder.iterdir():
         if sub.is_dir() and any((sub / r).is_file() for r in results):
             names.add(sub.name)
     return sorted(names)
