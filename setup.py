@@ -28,6 +28,7 @@ requirements = cfg.get("requirements", "").split()
 dev_requirements = cfg.get("dev_requirements", "").split()
 docs_requirements = cfg.get("docs_requirements", "").split()
 plot_requirements = cfg.get("plot_requirements", "").split()
+gguf_requirements = cfg.get("gguf_requirements", "").split()
 
 setuptools.setup(
     name=cfg["lib_name"],
@@ -43,7 +44,8 @@ setuptools.setup(
     include_package_data=True,
     package_data={"torchtune_lit": ["recipes/configs/**/*.yaml", "assets/**/*"]},
     install_requires=requirements,
-    extras_require={"dev": dev_requirements, "docs": docs_requirements, "plot": plot_requirements},
+    extras_require={"dev": dev_requirements, "docs": docs_requirements, "plot": plot_requirements,
+                    "gguf": gguf_requirements},
     python_requires=">=" + min_python,
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",

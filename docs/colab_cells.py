@@ -33,6 +33,7 @@ EXTRA_PACKAGES = {
     "sklearn": "scikit-learn==1.9.1",
     "tensorboard": "tensorboard==2.21.0",
     "mlflow": "mlflow-skinny==3.18.0",
+    "gguf": "gguf==0.19.0",
     "numpy": "numpy",
 }
 # installed with the package (settings.ini `requirements`) or with Python: nothing to add

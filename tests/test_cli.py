@@ -1,6 +1,6 @@
 """The `tunelit` console script, as a user runs it: a real subprocess, real files, real exit codes. Only the check of
-every built-in config calls the script's `main()` in this process, the function the executable runs: 49 fresh
-interpreters there cost ~4 s each, most of it importing PyTorch."""
+every built-in config calls the script's `main()` in this process, the function the executable runs: 66 fresh
+interpreters there would cost ~4 s each, most of it importing PyTorch."""
 import json
 import os
 import subprocess

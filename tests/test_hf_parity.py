@@ -52,6 +52,12 @@ FAMILIES = {
         rope_parameters={"rope_type": "longrope", "rope_theta": 10_000.0, "partial_rotary_factor": 0.75,
                          "short_factor": [1.0, 1.7, 0.9], "long_factor": [1.0, 4.0, 19.0]}))
        for kind, original in (("short", 64), ("long", 2))},
+    "llama2_mha": (transformers.LlamaConfig, "LLAMA2",
+               dict(num_key_value_heads=4, rms_norm_eps=1e-5,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})),
+    "gemma_mqa_wide_heads": (transformers.GemmaConfig, "GEMMA",
+               dict(head_dim=16, num_key_value_heads=1,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})),
     "gemma3_qk_norm_two_ropes": (transformers.Gemma3TextConfig, "GEMMA3",
                dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=4,
                     layer_types=["sliding_attention", "sliding_attention", "full_attention"],
@@ -67,7 +73,8 @@ def randomize_(model: torch.nn.Module, seed: int = 0) -> None:
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=gen)
             if name.endswith("norm.weight"):
-                gemma = isinstance(model, (transformers.Gemma2ForCausalLM, transformers.Gemma3ForCausalLM))
+                gemma = isinstance(model, (transformers.GemmaForCausalLM, transformers.Gemma2ForCausalLM,
+                                              transformers.Gemma3ForCausalLM))
                 p.copy_(0.5 * noise if gemma else 1.0 + 0.5 * noise)   # Gemma's gain is 1 + w
             elif p.dim() == 1:
                 p.copy_(0.5 * noise)
@@ -210,6 +217,30 @@ PUBLISHED = {
                        num_hidden_layers=32, num_attention_heads=24, num_key_value_heads=8, tie_word_embeddings=True,
                        max_position_embeddings=131072, original_max_position_embeddings=4096,
                        partial_rotary_factor=0.75, pad_token_id=199999)),
+    "llama2.llama2_7b": (transformers.LlamaConfig, dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32)),
+    "llama2.llama2_13b": (transformers.LlamaConfig, dict(vocab_size=32000, hidden_size=5120, intermediate_size=13824,
+                          num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=40)),
+    "llama2.llama2_70b": (transformers.LlamaConfig, dict(vocab_size=32000, hidden_size=8192, intermediate_size=28672,
+                          num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8)),
+    "code_llama2.code_llama2_7b": (transformers.LlamaConfig, dict(vocab_size=32016, hidden_size=4096,
+                                   intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                                   num_key_value_heads=32)),
+    "code_llama2.code_llama2_70b": (transformers.LlamaConfig, dict(vocab_size=32016, hidden_size=8192,
+                                    intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                                    num_key_value_heads=8)),
+    "gemma.gemma_2b": (transformers.GemmaConfig, dict(vocab_size=256000, hidden_size=2048, intermediate_size=16384,
+                       num_hidden_layers=18, num_attention_heads=8, num_key_value_heads=1, head_dim=256)),
+    "gemma.gemma_7b": (transformers.GemmaConfig, dict(vocab_size=256000, hidden_size=3072, intermediate_size=24576,
+                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=16, head_dim=256)),
+    "qwen2.qwen2_7b": (transformers.Qwen2Config, dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                       num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False)),
+    "qwen2_5.qwen2_5_32b_base": (transformers.Qwen2Config, dict(vocab_size=152064, hidden_size=5120,
+                                 intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
+                                 num_key_value_heads=8, tie_word_embeddings=False)),
+    "qwen2_5.qwen2_5_72b_instruct": (transformers.Qwen2Config, dict(vocab_size=152064, hidden_size=8192,
+                                     intermediate_size=29568, num_hidden_layers=80, num_attention_heads=64,
+                                     num_key_value_heads=8, tie_word_embeddings=False)),
     "gemma3.gemma3_1b": (transformers.Gemma3TextConfig, dict(vocab_size=262144, hidden_size=1152, intermediate_size=6912,
                          num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
                          query_pre_attn_scalar=256, sliding_window=512)),

@@ -11,6 +11,7 @@ from torchtune_lit._recipe_registry import get_all_recipes
 from torchtune_lit.training.memory import estimate_training_memory
 
 REAL = [c for r in get_all_recipes() for c in r.configs if not c.name.startswith("tiny/")]
+DISTRIBUTED = {c.name for r in get_all_recipes() if r.supports_distributed for c in r.configs}
 # the published configs (test_hf_parity.PUBLISHED) of each config's model: the reference parameter count is that of
 # the transformers model built from it on the meta device
 REFERENCE = {"llama3_2/1B": "llama3_2.llama3_2_1b", "llama3_2/3B": "llama3_2.llama3_2_3b", "llama3_1/8B": "llama3_1.llama3_1_8b",
@@ -30,11 +31,24 @@ def reference_parameters(size: str) -> int:
 
 
 def test_every_family_has_its_configs():
+    "torchtune's names: `_single_device` for one device, the plain name for the distributed config."
     names = {c.name for c in REAL}
-    assert {"llama3_2/1B_full", "llama3_2/1B_lora", "llama3_2/1B_qlora", "llama3_2/3B_lora", "llama3_1/8B_lora",
-            "llama3_1/8B_qlora", "llama3_1/8B_full", "qwen2_5/0.5B_lora", "qwen2_5/1.5B_lora", "qwen2_5/7B_lora",
-            "gemma2/2B_lora", "mistral/7B_lora", "qwen3/0.6B_lora", "qwen3/1.7B_lora", "qwen3/4B_lora", "qwen3/8B_lora",
-            "qwen3/8B_qlora", "llama3_3/70B_qlora", "gemma3/1B_lora", "gemma3/4B_lora", "mistral/nemo_12B_lora", "phi4/14B_qlora"} <= names
+    single = {"llama3_2/1B_full", "llama3_2/1B_lora", "llama3_2/1B_qlora", "llama3_2/3B_lora", "llama3_1/8B_lora",
+              "llama3_1/8B_qlora", "qwen2_5/0.5B_lora", "qwen2_5/1.5B_lora", "qwen2_5/7B_lora", "gemma2/2B_lora",
+              "mistral/7B_lora", "qwen3/0.6B_lora", "qwen3/1.7B_lora", "qwen3/4B_lora", "qwen3/8B_lora", "qwen3/8B_qlora",
+              "llama3_3/70B_qlora", "gemma3/1B_lora", "gemma3/4B_lora", "mistral/nemo_12B_lora", "phi4/14B_qlora",
+              "llama3_1/8B_lora_dpo", "llama3_2/3B_full", "llama3_2/3B_qlora", "qwen2_5/0.5B_full", "qwen2_5/1.5B_full",
+              "qwen3/0.6B_full", "qwen3/1.7B_full", "qwen3/4B_full", "gemma2/2B_qlora", "mistral/7B_qlora"}
+    distributed = {"llama3_2/1B_full", "llama3_2/1B_lora", "llama3_2/3B_lora", "llama3_1/8B_lora", "llama3_1/8B_full",
+                   "qwen2_5/0.5B_lora", "qwen2_5/1.5B_lora", "qwen2_5/7B_lora", "qwen3/0.6B_lora", "qwen3/1.7B_lora",
+                   "qwen3/4B_lora", "qwen3/8B_lora", "gemma2/2B_lora", "mistral/7B_lora",
+                   "llama3_1/8B_lora_dpo", "llama3_1/8B_full_dpo", "llama3_2/3B_full", "qwen2_5/0.5B_full",
+                   "qwen2_5/1.5B_full", "qwen3/0.6B_full", "qwen3/1.7B_full", "qwen3/4B_full", "qwen3/8B_full",
+                   "gemma2/2B_full", "mistral/7B_full"}
+    assert {f"{n}_single_device" for n in single} | distributed <= names
+    recipes = {c.name: r for r in get_all_recipes() for c in r.configs}
+    assert all(recipes[n].supports_distributed for n in distributed)
+    assert not any(recipes[f"{n}_single_device"].supports_distributed for n in single)
 
 
 @pytest.mark.parametrize("entry", REAL, ids=lambda c: c.name)
@@ -50,7 +64,7 @@ def test_real_config(entry):
     with torch.device("meta"):
         model = config.instantiate(cfg.model)
     frozen_or_full = {n: p.numel() for n, p in model.named_parameters() if ".lora_" not in n}
-    size = entry.name.split("_")[0] if entry.name.count("_") == 1 else entry.name.rsplit("_", 1)[0]
+    size = re.match(r"[^/]+/(?:[a-z]+_)?[\d.]+B", entry.name).group(0)   # llama3_2/1B, mistral/nemo_12B
     assert sum(frozen_or_full.values()) == reference_parameters(size), entry.name
     if ".lora_" in "".join(n for n, _ in model.named_parameters()):
         for name, param in model.named_parameters():
@@ -59,9 +73,10 @@ def test_real_config(entry):
                                         activation_checkpointing=cfg.enable_activation_checkpointing)
     # one 80 GB GPU (per rank for FSDP: / 8; a 70B QLoRA) or a 40 GB card
     budget_gib = 80 if "full" in entry.name or "70B" in entry.name else 40
-    if entry.name == "llama3_1/8B_full":
+    if "full" in entry.name and entry.name in DISTRIBUTED:  # FSDP over the header's N GPUs: a rank holds 1/N
+        ranks = int(re.search(r"tunelit run --nproc_per_node (\d+) ", text).group(1))
         estimate.weights, estimate.gradients, estimate.optimizer_states = (
-            estimate.weights / 8, estimate.gradients / 8, estimate.optimizer_states / 8)
+            estimate.weights / ranks, estimate.gradients / ranks, estimate.optimizer_states / ranks)
     assert estimate.total / 2**30 < budget_gib, (entry.name, estimate.summary())
     if entry.name.startswith(("qwen3/", "llama3_3/", "gemma3/", "mistral/nemo", "phi4/")):   # the header states the planner's prediction
         assert f"batch {cfg.batch_size} x {cfg.tokenizer.max_seq_len} tokens): {estimate.total / 2**30:.1f} GiB" in text

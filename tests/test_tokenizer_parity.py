@@ -320,3 +320,56 @@ def test_template_beside_tokenizer_config_is_read(template_only, tmp_path, where
     (tmp_path / where).unlink()
     with pytest.raises(ValueError, match="has no chat_template"):
         HuggingFaceModelTokenizer(tmp_path / "tokenizer.json")
+
+
+def _byte_bpe_files(folder):
+    "A vocab.json + merges.txt pair: a byte-level BPE of 300 tokens trained on the shipped corpus."
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.train([_asset_path("tiny/corpus.txt")], trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    bpe.model.save(str(folder))
+    return folder / "vocab.json", folder / "merges.txt"
+
+
+@pytest.mark.parametrize("text", ["The tiny model reads 2025 stories.\n\n  Ünïcode: é, 🙂!", "a\tb  c<|im_end|>d"])
+def test_qwen_vocab_and_merges_equal_transformers_qwen2_tokenizer(tmp_path, text):
+    from torchtune_lit.models.qwen2 import qwen2_tokenizer
+
+    vocab, merges = _byte_bpe_files(tmp_path)
+    ours = qwen2_tokenizer(vocab, merges_file=merges)
+    reference = transformers.Qwen2Tokenizer(vocab=str(vocab), merges=str(merges))
+    reference.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    ids, ref = ours.encode(text, add_eos=False), reference.encode(text)
+    specials = {151643: "<|endoftext|>", 151644: "<|im_start|>", 151645: "<|im_end|>"}
+    assert [specials.get(i, i) for i in ids] == [  # same ids; the specials at Qwen's fixed ids
+        reference.convert_ids_to_tokens(i) if i >= 300 else i for i in ref]
+    assert ours.decode(ids) == text
+
+
+def test_gpt2_base_tokenizer_drops_merges_a_cropped_vocab_lacks(tmp_path):
+    from torchtune_lit.tokenizers import GPT2BaseTokenizer
+
+    vocab, merges = _byte_bpe_files(tmp_path)
+    table = json.loads(vocab.read_text())
+    a, b = merges.read_text().splitlines()[-1].split()
+    del table[a + b]
+    vocab.write_text(json.dumps(table))
+    tok = GPT2BaseTokenizer(vocab, merges, 0, 0, 0, 0)
+    word = bytes(_byte_of(c) for c in a + b).decode()
+    assert tok.decode(tok.encode(word, add_bos=False, add_eos=False)) == [a, b]
+
+
+def _byte_of(char):
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {c: byte for byte, c in bytes_to_unicode().items()}[char]
+
+
+def test_llama3_tiktoken_specials_have_fixed_ids(tmp_path):
+    import base64
+
+    (tmp_path / "bytes.tiktoken").write_text(
+        "".join(f"{base64.b64encode(bytes([b])).decode()} {b}\n" for b in range(256)))
+    tok = llama3_tokenizer(tmp_path / "bytes.tiktoken")
+    assert (tok.bos_id, tok.eos_id, tok.eot_id, tok.vocab_size) == (128000, 128001, 128009, 128256)

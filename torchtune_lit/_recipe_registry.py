@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import difflib
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,7 +18,7 @@ CONFIGS_DIR = RECIPES_DIR / "configs"
 
 # %% auto #0
 __all__ = ['PACKAGE_DIR', 'RECIPES_DIR', 'CONFIGS_DIR', 'Config', 'Recipe', 'get_all_recipes', 'RegistryError', 'find_recipe',
-           'find_config', 'resolve_recipe_path', 'resolve_config_path']
+           'find_config', 'Alias', 'get_aliases', 'find_alias', 'resolve_recipe_path', 'resolve_config_path']
 
 # %% ../nbs/6b_recipe_registry.ipynb #5e8fbf2b
 @dataclass(frozen=True)
@@ -50,76 +51,78 @@ class Recipe:
         return RECIPES_DIR / self.file_path
 
 # %% ../nbs/6b_recipe_registry.ipynb #20deee18
+def _configs(*names: str) -> list[Config]:
+    "Configs whose file is their name plus `.yaml` (every built-in one)."
+    return [Config(name=name, file_path=f"{name}.yaml") for name in names]
+
+
+# the real models with a one-device full config *and* a distributed one
+_FULL_BOTH = [
+    "llama3_2/1B_full", "llama3_2/3B_full", "qwen2_5/0.5B_full", "qwen2_5/1.5B_full",
+    "qwen3/0.6B_full", "qwen3/1.7B_full", "qwen3/4B_full",
+]
+# ... and those torchtune ships as distributed configs only
+_FULL_DISTRIBUTED = [
+    "llama3_1/8B_full", "qwen3/8B_full", "gemma2/2B_full", "mistral/7B_full"
+]
+
+
 def _full_finetune_recipes() -> list[Recipe]:
     "Full fine-tuning: every weight trains, on one device or several."
     return [
         Recipe(
             name="full_finetune_single_device",
             file_path="full_finetune_single_device.py",
-            configs=[
-                Config(name="tiny/pretrain", file_path="tiny/pretrain.yaml"),
-                Config(name="tiny/full", file_path="tiny/full.yaml"),
-                Config(name="llama3_2/1B_full", file_path="llama3_2/1B_full.yaml"),
-            ],
+            configs=_configs(
+                "tiny/pretrain",
+                "tiny/full",
+                *[f"{name}_single_device" for name in _FULL_BOTH],
+            ),
             supports_distributed=False,
         ),
         Recipe(
             name="full_finetune_distributed",
             file_path="full_finetune_distributed.py",
-            configs=[
-                Config(
-                    name="tiny/full_distributed", file_path="tiny/full_distributed.yaml"
-                ),
-                Config(name="llama3_1/8B_full", file_path="llama3_1/8B_full.yaml"),
-            ],
+            configs=_configs("tiny/full_distributed", *_FULL_BOTH, *_FULL_DISTRIBUTED),
             supports_distributed=True,
         ),
     ]
 
 # %% ../nbs/6b_recipe_registry.ipynb #ebe897ee
+# the real models with a one-device LoRA (or QLoRA) config *and* a distributed one
+_LORA_BOTH = [
+    "llama3_2/1B_lora", "llama3_2/3B_lora", "llama3_1/8B_lora", "qwen2_5/0.5B_lora",
+    "qwen2_5/1.5B_lora", "qwen2_5/7B_lora", "qwen3/0.6B_lora", "qwen3/1.7B_lora",
+    "qwen3/4B_lora", "qwen3/8B_lora", "gemma2/2B_lora", "mistral/7B_lora",
+]
+# ... and those with a one-device config only
+_LORA_SINGLE_ONLY = [
+    "llama3_2/1B_qlora", "llama3_1/8B_qlora", "qwen3/8B_qlora", "gemma3/1B_lora",
+    "gemma3/4B_lora", "phi4/14B_qlora", "mistral/nemo_12B_lora",
+    # torchtune's 70B_qlora is distributed; QLoRA under FSDP2 is not here yet
+    "llama3_3/70B_qlora",
+]
+# one-device configs that are new with torchtune's names (no old name to alias)
+_LORA_NEW_SINGLE = [
+    "llama3_2/3B_qlora", "gemma2/2B_qlora", "mistral/7B_qlora",
+]
+
+
 def _lora_recipes() -> list[Recipe]:
     "LoRA, DoRA and QLoRA fine-tuning, on one device or several."
+    single = _LORA_BOTH + _LORA_SINGLE_ONLY + _LORA_NEW_SINGLE
+    single = [f"{name}_single_device" for name in single]
     return [
         Recipe(
             name="lora_finetune_single_device",
             file_path="lora_finetune_single_device.py",
-            configs=[
-                Config(name="tiny/lora", file_path="tiny/lora.yaml"),
-                Config(name="tiny/dora", file_path="tiny/dora.yaml"),
-                Config(name="tiny/qlora", file_path="tiny/qlora.yaml"),
-                Config(name="llama3_2/1B_lora", file_path="llama3_2/1B_lora.yaml"),
-                Config(name="llama3_2/1B_qlora", file_path="llama3_2/1B_qlora.yaml"),
-                Config(name="llama3_2/3B_lora", file_path="llama3_2/3B_lora.yaml"),
-                Config(name="llama3_1/8B_lora", file_path="llama3_1/8B_lora.yaml"),
-                Config(name="llama3_1/8B_qlora", file_path="llama3_1/8B_qlora.yaml"),
-                Config(name="qwen2_5/0.5B_lora", file_path="qwen2_5/0.5B_lora.yaml"),
-                Config(name="qwen3/0.6B_lora", file_path="qwen3/0.6B_lora.yaml"),
-                Config(name="qwen3/1.7B_lora", file_path="qwen3/1.7B_lora.yaml"),
-                Config(name="qwen3/4B_lora", file_path="qwen3/4B_lora.yaml"),
-                Config(name="qwen3/8B_lora", file_path="qwen3/8B_lora.yaml"),
-                Config(name="qwen3/8B_qlora", file_path="qwen3/8B_qlora.yaml"),
-                Config(name="llama3_3/70B_qlora", file_path="llama3_3/70B_qlora.yaml"),
-                Config(name="qwen2_5/1.5B_lora", file_path="qwen2_5/1.5B_lora.yaml"),
-                Config(name="qwen2_5/7B_lora", file_path="qwen2_5/7B_lora.yaml"),
-                Config(name="gemma2/2B_lora", file_path="gemma2/2B_lora.yaml"),
-                Config(name="gemma3/1B_lora", file_path="gemma3/1B_lora.yaml"),
-                Config(name="gemma3/4B_lora", file_path="gemma3/4B_lora.yaml"),
-                Config(name="phi4/14B_qlora", file_path="phi4/14B_qlora.yaml"),
-                Config(name="mistral/7B_lora", file_path="mistral/7B_lora.yaml"),
-                Config(
-                    name="mistral/nemo_12B_lora", file_path="mistral/nemo_12B_lora.yaml"
-                ),
-            ],
+            configs=_configs("tiny/lora", "tiny/dora", "tiny/qlora", *single),
             supports_distributed=False,
         ),
         Recipe(
             name="lora_finetune_distributed",
             file_path="lora_finetune_distributed.py",
-            configs=[
-                Config(
-                    name="tiny/lora_distributed", file_path="tiny/lora_distributed.yaml"
-                )
-            ],
+            configs=_configs("tiny/lora_distributed", *_LORA_BOTH),
             supports_distributed=True,
         ),
     ]
@@ -131,35 +134,25 @@ def _preference_recipes() -> list[Recipe]:
         Recipe(
             name="lora_dpo_single_device",
             file_path="lora_dpo_single_device.py",
-            configs=[Config(name="tiny/dpo", file_path="tiny/dpo.yaml")],
+            configs=_configs("tiny/dpo", "llama3_1/8B_lora_dpo_single_device"),
             supports_distributed=False,
         ),
         Recipe(
             name="full_dpo_single_device",
             file_path="full_dpo_single_device.py",
-            configs=[Config(name="tiny/full_dpo", file_path="tiny/full_dpo.yaml")],
+            configs=_configs("tiny/full_dpo"),
             supports_distributed=False,
         ),
         Recipe(
             name="lora_dpo_distributed",
             file_path="lora_dpo_distributed.py",
-            configs=[
-                Config(
-                    name="tiny/lora_dpo_distributed",
-                    file_path="tiny/lora_dpo_distributed.yaml",
-                )
-            ],
+            configs=_configs("tiny/lora_dpo_distributed", "llama3_1/8B_lora_dpo"),
             supports_distributed=True,
         ),
         Recipe(
             name="full_dpo_distributed",
             file_path="full_dpo_distributed.py",
-            configs=[
-                Config(
-                    name="tiny/full_dpo_distributed",
-                    file_path="tiny/full_dpo_distributed.yaml",
-                )
-            ],
+            configs=_configs("tiny/full_dpo_distributed", "llama3_1/8B_full_dpo"),
             supports_distributed=True,
         ),
     ]
@@ -277,6 +270,14 @@ def _more_recipes() -> list[Recipe]:
             supports_distributed=False,
         ),
         Recipe(
+            name="export_gguf",
+            file_path="export_gguf.py",
+            configs=[
+                Config(name="tiny/export_gguf", file_path="tiny/export_gguf.yaml")
+            ],
+            supports_distributed=False,
+        ),
+        Recipe(
             name="generate",
             file_path="generate.py",
             configs=[Config(name="tiny/generate", file_path="tiny/generate.yaml")],
@@ -345,7 +346,62 @@ def find_config(name: str) -> tuple[Config, Recipe] | None:
                 return config, recipe
     return None
 
+# %% ../nbs/6b_recipe_registry.ipynb #e6a1a502
+# one-device configs with no distributed twin: each old name is just the new one
+_RENAMED = {name: f"{name}_single_device" for name in _LORA_SINGLE_ONLY}
+
+
+@dataclass(frozen=True)
+class Alias:
+    """An old config name: it means `config` everywhere, or only when the one-device
+    `recipe` runs it (then the name itself is torchtune's distributed config)."""
+
+    name: str
+    config: str
+    recipe: str | None = None
+
+    def note(self) -> str:
+        "The line logged when a command follows the alias."
+        if self.recipe is None:
+            return (
+                f"config {self.name!r} is now called {self.config!r} (torchtune's "
+                "name); using it."
+            )
+        return (
+            f"with {self.recipe}, config {self.name!r} means {self.config!r} "
+            f"({self.name!r} is the distributed config, as in torchtune); using it."
+        )
+
+# %% ../nbs/6b_recipe_registry.ipynb #e6a1a503
+def get_aliases() -> list[Alias]:
+    """Every old name: the renamed configs, then each distributed config that has a
+    `_single_device` twin, as its one-device recipe reads it."""
+    aliases = [Alias(old, new) for old, new in _RENAMED.items()]
+    recipes = {r.name: r for r in get_all_recipes()}
+    for recipe in recipes.values():
+        single = recipes.get(recipe.name.replace("_distributed", "_single_device"))
+        if not recipe.supports_distributed or single is None:
+            continue
+        twins = {c.name for c in single.configs}
+        aliases += [
+            Alias(c.name, f"{c.name}_single_device", single.name)
+            for c in recipe.configs
+            if f"{c.name}_single_device" in twins
+        ]
+    return aliases
+
+
+def find_alias(name: str, recipe: str | None = None) -> Alias | None:
+    "The alias `name` is when `recipe` runs it (None: when no recipe does), or None."
+    return next(
+        (a for a in get_aliases() if a.name == name and a.recipe in (None, recipe)),
+        None,
+    )
+
 # %% ../nbs/6b_recipe_registry.ipynb #d25f0663
+_log = logging.getLogger(__name__)
+
+
 def resolve_recipe_path(name_or_path: str) -> Path:
     "The file of a built-in recipe name, or of a path to a recipe `.py` file."
     recipe = find_recipe(name_or_path)
@@ -364,8 +420,13 @@ def resolve_recipe_path(name_or_path: str) -> Path:
     )
 
 
-def resolve_config_path(name_or_path: str) -> Path:
-    "The file of a built-in config name, or of a path to a YAML file."
+def resolve_config_path(name_or_path: str, recipe: str | None = None) -> Path:
+    """The file of a built-in config name (or old name: see the aliases above, for
+    `recipe` when given), or of a path to a YAML file."""
+    alias = find_alias(name_or_path, recipe)
+    if alias is not None:
+        _log.warning(alias.note())
+        name_or_path = alias.config
     found = find_config(name_or_path)
     if found is not None:
         return found[0].path

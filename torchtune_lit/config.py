@@ -11,8 +11,10 @@ import functools
 import importlib
 import importlib.util
 import inspect
+import logging
 import math
 import os
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -29,10 +31,11 @@ from ._recipe_registry import RegistryError, resolve_config_path
 # %% auto #0
 __all__ = ['DEFAULT_ALLOWED_COMPONENTS', 'COMPONENT_PACKAGES', 'TRAINING_COMPONENTS', 'NOT_COMPONENTS',
            'NEVER_ALLOWED_COMPONENTS', 'ALLOW_ENV', 'MAX_YAML_VALUES', 'RANK_ERRORS', 'RUN_COUNTS', 'OPTIONAL_FEATURES',
-           'ConfigError', 'trust_all_components', 'check_allowed_components', 'allow_components', 'granted_components',
-           'is_component', 'get_component', 'instantiate', 'refuse_config_grants', 'apply_overrides',
-           'read_config_keys', 'builtin_config_keys', 'load_config', 'parse_cli_args', 'validate', 'warn_unread_keys',
-           'parse', 'check_run_values']
+           'TORCHTUNE_ONLY_KEYS', 'TORCHTUNE_DEFAULTS', 'ConfigError', 'trust_all_components',
+           'check_allowed_components', 'allow_components', 'granted_components', 'is_component', 'get_component',
+           'instantiate', 'refuse_config_grants', 'apply_overrides', 'read_config_keys', 'builtin_config_keys',
+           'load_config', 'interpolated_keys', 'parse_cli_args', 'validate', 'warn_unread_keys', 'parse',
+           'check_run_values']
 
 # %% ../nbs/6a_config.ipynb #3095bfc7
 class ConfigError(ValueError):
@@ -84,7 +87,13 @@ def _import_longest_prefix(parts: list[str], path: str, key: str):
     )
 
 # %% ../nbs/6a_config.ipynb #5e42002f
-DEFAULT_ALLOWED_COMPONENTS = ("torchtune_lit", "torch.nn", "torch.optim", "torchao")
+DEFAULT_ALLOWED_COMPONENTS = (
+    "torchtune_lit",
+    "torch.nn",
+    "torch.optim",
+    "torchao",
+    "bitsandbytes.optim",  # the paged / 8-bit optimizers torchtune's configs name
+)
 COMPONENT_PACKAGES = (  # every public class and module-level function defined here
     "torchtune_lit.models",
     "torchtune_lit.modules",
@@ -97,7 +106,10 @@ COMPONENT_PACKAGES = (  # every public class and module-level function defined h
 )
 TRAINING_COMPONENTS = (  # the parts of `training` that configs build
     "torchtune_lit.training.checkpointing.FullModelHFCheckpointer",
+    "torchtune_lit.training.checkpointing.FullModelTorchTuneCheckpointer",
+    "torchtune_lit.training.checkpointing.FullModelMetaCheckpointer",
     "torchtune_lit.training.metric_logging.StdoutLogger",
+    "torchtune_lit.training.metric_logging.DiskLogger",
     "torchtune_lit.training.metric_logging.TensorBoardLogger",
     "torchtune_lit.training.metric_logging.WandBLogger",
     "torchtune_lit.training.metric_logging.MLFlowLogger",
@@ -107,6 +119,7 @@ TRAINING_COMPONENTS = (  # the parts of `training` that configs build
     "torchtune_lit.training.quantization.Int8DynActInt4WeightQATQuantizer",
     "torchtune_lit.training.quantization.Int8DynActIntxWeightQATQuantizer",
     "torchtune_lit.training.quantization.Int8WeightOnlyQATQuantizer",
+    "torchtune_lit.training.profiler.setup_torch_profiler",
 )
 NOT_COMPONENTS = (  # functions in COMPONENT_PACKAGES that write files
     "torchtune_lit.datasets._tiny_world.build_tiny_world",
@@ -195,6 +208,7 @@ _TORCH_KINDS = {  # path prefix -> the base classes a component there derives fr
         "torch.optim.lr_scheduler.LRScheduler",
     },
     "torchao.optim": {"torch.optim.optimizer.Optimizer"},
+    "bitsandbytes.optim": {"torch.optim.optimizer.Optimizer"},
     "torchao.quantization": {"torchao.core.config.AOBaseConfig"},
 }
 
@@ -233,8 +247,20 @@ def _refuse(path: str, key: str, why: str, hint: str = "") -> ConfigError:
     return ConfigError(
         f"{key}._component_ = {path!r} is not allowed: {why}. Configs build the "
         "components of torchtune_lit, torch.nn modules, torch.optim optimizers and "
-        f"schedulers and torchao quantizers and optimizers; {fix}.{hint}"
+        "schedulers, torchao quantizers and optimizers, and bitsandbytes optimizers; "
+        f"{fix}.{hint}"
     )
+
+# %% ../nbs/6a_config.ipynb #tt0a0002
+def _from_torchtune(path: str, allowed: Sequence[str]) -> str:
+    """`torchtune.X` read as `torchtune_lit.X`, unless the real torchtune package is
+    installed and granted; any other path as it is."""
+    if path.split(".")[0] != "torchtune":
+        return path
+    granted = _GRANTS["all"] or _within(path, allowed)
+    if granted and importlib.util.find_spec("torchtune") is not None:
+        return path
+    return "torchtune_lit" + path[len("torchtune") :]
 
 # %% ../nbs/6a_config.ipynb #43bf7c0e
 def _resolve(path: str, key: str, allowed: Sequence[str] | None) -> tuple[Any, str]:
@@ -246,6 +272,7 @@ def _resolve(path: str, key: str, allowed: Sequence[str] | None) -> tuple[Any, s
             f"'torch.optim.AdamW', got {path!r}."
         )
     allowed = _allowed(allowed)
+    path = _from_torchtune(path, allowed)
     parts, trusted = path.split("."), _GRANTS["all"]
     if any(part.startswith("__") for part in parts):
         raise _refuse(path, key, "names starting with '__' are never followed")
@@ -277,7 +304,7 @@ def _resolve(path: str, key: str, allowed: Sequence[str] | None) -> tuple[Any, s
         origin = _origin(obj)
         why = (
             f"it leads to {origin!r}"
-            if not _within(origin, ("torchtune_lit", "torch", "torchao"))
+            if not _within(origin, ("torchtune_lit", "torch", "torchao", "bitsandbytes"))
             else "it is not a component (a function that writes, deletes or "
             "launches, a method, or an object a recipe does not build)"
         )
@@ -738,11 +765,38 @@ def load_config(
     return cfg
 
 # %% ../nbs/6a_config.ipynb #b63ed026
+# ${name}, ${name.x}, ${name[0]}: a reference to the top-level key `name`
+_REFERENCE = re.compile(r"\$\{([A-Za-z_]\w*)(?=[.\[}])")
+
+
+def interpolated_keys(cfg: DictConfig) -> set[str]:
+    """The top-level keys that some `${...}` in the config refers to
+    (`${checkpoint_dir}`, `${output_dir}/logs`); resolvers such as `${asset:...}` are
+    not keys."""
+    found = set()
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+        elif isinstance(node, str):
+            found.update(_REFERENCE.findall(node))
+
+    walk(OmegaConf.to_container(cfg, resolve=False))
+    return found & {str(k) for k in cfg.keys()}
+
+
 def _refuse_misspelt_keys(cfg: DictConfig, known: Sequence[str], path: Path) -> None:
     """Refuse a top-level key that no recipe reads but that is one typo away from one
-    that does ('batchsize' for 'batch_size'); other keys of one's own are kept."""
+    that does ('batchsize' for 'batch_size'); other keys of one's own are kept, and so
+    is a key the config refers to with `${...}` (a value named once, used elsewhere)."""
+    referenced = interpolated_keys(cfg)
     for key in cfg.keys():
-        hint = _closest(str(key), known, n=1) if key not in known else ""
+        unknown = key not in known and key not in referenced
+        hint = _closest(str(key), known, n=1) if unknown else ""
         if hint:
             raise ConfigError(
                 f"{path}: no recipe reads the key {key!r}.{hint} Fix the spelling (a "
@@ -922,8 +976,10 @@ def warn_unread_keys(
     cfg: DictConfig, declared: Mapping[str, Any], recipe: str | None = None
 ) -> list[str]:
     """Warn about the config's top-level keys that the recipe does not declare: setting
-    them changes nothing, which a user should hear of. Returns them."""
-    unread = [str(k) for k in cfg.keys() if k not in declared]
+    them changes nothing, which a user should hear of. Returns them. A key used by a
+    `${...}` reference is read, through the reference."""
+    referenced = interpolated_keys(cfg)
+    unread = [str(k) for k in cfg.keys() if k not in declared and k not in referenced]
     if unread:
         name = Path(recipe).stem if recipe else "this recipe"
         warnings.warn(
@@ -995,6 +1051,27 @@ RUN_COUNTS = (  # whole numbers >= 1, or null where the recipe has a default
 )
 # switches only some recipes implement; the others refuse them rather than ignore them
 OPTIONAL_FEATURES = ("optimizer_in_bwd", "enable_activation_offloading")
+# torchtune keys for what this package does another way: key -> (what the key does in
+# torchtune, what happens here); where "here" is None, a value other than null/false
+# is refused (a run that silently lacked it would use far more memory, or another plan)
+TORCHTUNE_ONLY_KEYS = {
+    "fsdp_cpu_offload": ("keeps FSDP's shards and optimizer states in CPU memory",
+                         None),
+    "tensor_parallel_plan": ("names a tensor-parallel plan component", None),
+    "low_cpu_ram": ("saves QLoRA checkpoints with less CPU memory", None),
+    "custom_sharded_layers": (
+        "makes the named modules (embeddings, output) their own FSDP units",
+        "shards each transformer layer, and the rest with the root module",
+    ),
+    "enable_kv_cache": (
+        "caches keys and values while generating",
+        "generates without a KV cache",
+    ),
+    "data_parallel_shard_dim": ("sizes the sharding dimension of a 2-D mesh", None),
+    "data_parallel_replicate_dim": ("replicates shards across nodes (HSDP)", None),
+}
+# the values of those keys that mean what this package does anyway: accepted silently
+TORCHTUNE_DEFAULTS = {"data_parallel_shard_dim": -1, "data_parallel_replicate_dim": 1}
 
 
 def _is_whole(value: Any) -> bool:
@@ -1035,6 +1112,18 @@ def check_run_values(cfg: Any, supported: tuple[str, ...] = ()) -> None:
     if lr is not None and lr < 0:
         raise ValueError(
             f"optimizer.lr must be >= 0, got {lr!r}: it would train uphill."
+        )
+    for key, (torchtune_does, here) in TORCHTUNE_ONLY_KEYS.items():
+        value = cfg.get(key)
+        if value in (None, False, [], "") or value == TORCHTUNE_DEFAULTS.get(key):
+            continue
+        if here is None:
+            raise ValueError(
+                f"{key}={value!r}: in torchtune it {torchtune_does}; this package does "
+                f"not implement it: set {key}: false (or drop it)."
+            )
+        logging.getLogger("torchtune_lit.config").info(
+            f"{key}: in torchtune it {torchtune_does}; this recipe {here}."
         )
     for key in OPTIONAL_FEATURES:
         if cfg.get(key, False) and key not in supported:

@@ -6,7 +6,9 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
+import logging
 import os
 import runpy
 import shutil
@@ -20,8 +22,10 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from torchtune_lit._recipe_registry import (
+    find_alias,
     find_config,
     find_recipe,
+    get_aliases,
     get_all_recipes,
     resolve_config_path,
     resolve_recipe_path,
@@ -30,27 +34,38 @@ from torchtune_lit._recipe_registry import (
 from .. import config as _config
 
 # %% auto #0
-__all__ = ['TORCHRUN_FLAGS', 'SANITY_OVERRIDES', 'SANITY_INTERRUPTED', 'EXPECTED_ERRORS', 'cmd_ls', 'cmd_cp', 'load_cli_config',
-           'cmd_validate', 'cmd_cat', 'run_plan', 'config_preflight', 'cmd_preflight', 'split_run_args',
-           'sanity_verdict', 'recipe_help', 'interrupted_message', 'relay_launcher_stderr', 'cmd_run', 'cmd_download',
-           'cmd_plot', 'cmd_runs', 'build_parser', 'error_line', 'main', 'refused_for_safety']
+__all__ = ['NOT_FOR_RECIPES', 'RENDEZVOUS_OPTIONS', 'SANITY_OVERRIDES', 'SANITY_INTERRUPTED', 'EXPECTED_ERRORS', 'cmd_ls',
+           'cmd_cp', 'load_cli_config', 'cmd_validate', 'cmd_cat', 'run_plan', 'config_preflight', 'cmd_preflight',
+           'torchrun_options', 'split_run_args', 'with_rendezvous', 'sanity_verdict', 'recipe_help',
+           'interrupted_message', 'relay_launcher_stderr', 'cmd_run', 'cmd_download', 'cmd_plot', 'cmd_runs',
+           'build_parser', 'error_line', 'main', 'refused_for_safety']
 
 # %% ../../nbs/6c_cli.ipynb #1153fed6
 def cmd_ls(args: argparse.Namespace) -> int:
-    "Print every built-in recipe and its configs, one row each."
+    """Print every built-in recipe and its configs, one row each, then the old config
+    names and the config each means now."""
     rows = [("RECIPE", "CONFIG")]
     for recipe in get_all_recipes():
         names = [c.name for c in recipe.configs] or ["-"]
         rows += [(recipe.name if i == 0 else "", name) for i, name in enumerate(names)]
-    width = max(len(r[0]) for r in rows) + 3
-    for recipe_name, config_name in rows:
-        print(f"{recipe_name:<{width}}{config_name}")
+    aliases = [("", ""), ("ALIAS", "MEANS")]
+    for alias in get_aliases():
+        when = f" (run by {alias.recipe})" if alias.recipe else ""
+        aliases.append((alias.name, alias.config + when))
+    width = max(len(r[0]) for r in rows + aliases) + 3
+    for left, right in rows + aliases:
+        print(f"{left:<{width}}{right}".rstrip())
     return 0
+
 
 # %% ../../nbs/6c_cli.ipynb #90a09b79
 def cmd_cp(args: argparse.Namespace) -> int:
     "Copy a built-in recipe or config to `args.destination`."
-    recipe, found = find_recipe(args.name), find_config(args.name)
+    alias = find_alias(args.name)
+    if alias is not None:  # an old name: say which config it means now
+        logging.getLogger(__name__).warning(alias.note())
+    name = alias.config if alias is not None else args.name
+    recipe, found = find_recipe(name), find_config(name)
     if recipe is None and found is None:
         if Path(args.name).is_file():
             raise FileExistsError(
@@ -67,6 +82,9 @@ def cmd_cp(args: argparse.Namespace) -> int:
         dest = dest / source.name
     elif dest.suffix == "":
         dest = dest.with_suffix(source.suffix)
+    if dest.exists() and args.no_clobber:
+        print(f"{dest} already exists; not overwriting it (--no-clobber).")
+        return 0
     if dest.exists() and not args.force:
         raise FileExistsError(f"{dest} already exists; pass --force to overwrite it.")
     if not dest.parent.exists():
@@ -77,7 +95,7 @@ def cmd_cp(args: argparse.Namespace) -> int:
             )
         dest.parent.mkdir(parents=True)
     shutil.copyfile(source, dest)
-    print(f"Copied {args.name} to {dest}")
+    print(f"Copied {name} to {dest}")
     return 0
 
 # %% ../../nbs/6c_cli.ipynb #0735a214
@@ -93,6 +111,11 @@ def load_cli_config(args: argparse.Namespace):
                 "or '--config CONFIG'."
             )
         args.config = overrides.pop(0)
+    if find_recipe(args.config) is not None:
+        raise _config.ConfigError(
+            f"{args.config!r} is a recipe, not a config: name one of its configs "
+            "(see 'tunelit ls')."
+        )
     if args.trust_config:
         _config.trust_all_components()
     if getattr(args, "allow_components", None):
@@ -113,10 +136,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def cmd_cat(args: argparse.Namespace) -> int:
     """Print the config with overrides applied (interpolations left as written unless
-    --resolve).
+    --resolve; keys sorted with --sort).
     """
     cfg = load_cli_config(args)
-    print(OmegaConf.to_yaml(cfg, resolve=args.resolve), end="")
+    print(OmegaConf.to_yaml(cfg, resolve=args.resolve, sort_keys=args.sort), end="")
     return 0
 
 # %% ../../nbs/6c_cli.ipynb #b10c0001
@@ -185,16 +208,44 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     return 1 if any(f["level"] == "error" for fs in report.values() for f in fs) else 0
 
 # %% ../../nbs/6c_cli.ipynb #b21e0cbe
-TORCHRUN_FLAGS = {"--standalone"}  # torchrun options that take no value
+# torchrun options that choose what it starts: tunelit starts the recipe file itself
+NOT_FOR_RECIPES = {"-m", "--module", "--no-python", "--no_python", "--run-path"}
+NOT_FOR_RECIPES |= {"--run_path"}
+
+
+def torchrun_options() -> dict[str, bool]:
+    "torchrun's option strings, each -> whether it takes a value (its own parser says)."
+    from torch.distributed.run import get_args_parser  # PyTorch: only for torchrun
+
+    return {
+        option: action.nargs != 0
+        for action in get_args_parser()._actions
+        for option in action.option_strings
+        if option not in ("-h", "--help")
+    }
 
 
 def split_run_args(argv: Sequence[str]) -> tuple[list[str], str, list[str]]:
     "Split `tunelit run` arguments into (torchrun options, recipe, recipe arguments)."
     argv, launcher = list(argv), []
+    options = torchrun_options() if argv and argv[0].startswith("-") else {}
     i = 0
     while i < len(argv) and argv[i].startswith("-"):
         arg = argv[i]
-        if arg in TORCHRUN_FLAGS or "=" in arg:
+        option = arg.split("=", 1)[0]
+        if option not in options:
+            close = difflib.get_close_matches(option, list(options), n=1, cutoff=0.6)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise _config.ConfigError(
+                f"{option!r} is not a torchrun option.{hint} Before the recipe name "
+                "come torchrun's options; the recipe's own come after it."
+            )
+        if option in NOT_FOR_RECIPES:
+            raise _config.ConfigError(
+                f"{option} changes what torchrun starts; tunelit run starts the "
+                "recipe file itself, so leave it out."
+            )
+        if "=" in arg or not options[option]:
             launcher.append(arg)
             i += 1
         elif i + 1 < len(argv):
@@ -210,12 +261,16 @@ def split_run_args(argv: Sequence[str]) -> tuple[list[str], str, list[str]]:
     return launcher, argv[i], argv[i + 1 :]
 
 
-def _resolve_recipe_args(recipe_args: list[str]) -> list[str]:
+def _resolve_recipe_args(
+    recipe_args: list[str], recipe: str | None = None
+) -> list[str]:
     """Recipe arguments with the config name turned into a file path (so torchrun
-    workers get a path).
-    """
+    workers get a path); an old config name means what it meant to `recipe`."""
     config, overrides = _config.parse_cli_args(recipe_args)
-    path = Path(config) if Path(config).is_file() else resolve_config_path(config)
+    if Path(config).is_file():
+        path = Path(config)
+    else:
+        path = resolve_config_path(config, recipe)
     trust = ["--trust-config"] if "--trust-config" in recipe_args else []
     for i, arg in enumerate(recipe_args):  # the person's grants travel with the run
         if arg.startswith("--allow-components="):
@@ -223,6 +278,31 @@ def _resolve_recipe_args(recipe_args: list[str]) -> list[str]:
         elif arg == "--allow-components" and i + 1 < len(recipe_args):
             trust.append(f"--allow-components={recipe_args[i + 1]}")
     return ["--config", str(path), *overrides, *trust]
+
+
+# %% ../../nbs/6c_cli.ipynb #e6c1a002
+RENDEZVOUS_OPTIONS = {
+    "--standalone",
+    *("--rdzv-endpoint", "--rdzv_endpoint", "--rdzv-backend", "--rdzv_backend"),
+    *("--master-addr", "--master_addr", "--master-port", "--master_port"),
+}
+
+
+def with_rendezvous(launcher: list[str]) -> list[str]:
+    "torchrun's options, with `--standalone` added when they name no rendezvous."
+    options = [a.split("=", 1)[0] for a in launcher]
+    if RENDEZVOUS_OPTIONS & set(options):
+        return launcher
+    nnodes = next(
+        (
+            a.split("=", 1)[1] if "=" in a else launcher[i + 1]
+            for i, a in enumerate(launcher)
+            if options[i] == "--nnodes"
+        ),
+        "1",
+    )
+    return launcher if nnodes not in ("1", "1:1") else ["--standalone", *launcher]
+
 
 # %% ../../nbs/6c_cli.ipynb #1381794f
 SANITY_OVERRIDES = [
@@ -399,7 +479,7 @@ def _run_recipe(run_args: list[str], interrupted: Optional[str] = None) -> int:
         print(recipe_help(recipe_name))
         return 0
     recipe_path = resolve_recipe_path(recipe_name)
-    recipe_args = _resolve_recipe_args(recipe_args)
+    recipe_args = _resolve_recipe_args(recipe_args, recipe_name)
     if launcher:
         recipe = find_recipe(recipe_name)
         if recipe is not None and not recipe.supports_distributed:
@@ -414,7 +494,7 @@ def _run_recipe(run_args: list[str], interrupted: Optional[str] = None) -> int:
             sys.executable,
             "-m",
             "torch.distributed.run",
-            *launcher,
+            *with_rendezvous(launcher),
             str(recipe_path),
             *recipe_args,
         ]
@@ -459,6 +539,8 @@ def cmd_download(args: argparse.Namespace) -> int:
         RepositoryNotFoundError,
     )
 
+    if args.source == "kaggle":
+        return _download_from_kaggle(args)
     output_dir = Path(args.output_dir or Path("/tmp") / args.repo_id.split("/")[-1])
     token = args.hf_token or os.environ.get("HF_TOKEN")
     try:
@@ -499,12 +581,37 @@ def cmd_download(args: argparse.Namespace) -> int:
         raise ConnectionError(
             f"the Hub refused the download of {args.repo_id}: {str(e).splitlines()[0]}"
         ) from None
+    # as torchtune: the folder remembers which Hub model it holds (in
+    # original_repo_id.json), so a model card or adapter config saved from it names it
+    from torchtune_lit.training.checkpointing import write_repo_id
+
+    write_repo_id(path, args.repo_id)
+    print(f"Downloaded {args.repo_id} to {path}")
+    return 0
+
+
+def _download_from_kaggle(args: argparse.Namespace) -> int:
+    """`--source kaggle`: the model handle through `kagglehub` (into its cache; it takes
+    no output folder), with the credentials from the flags or KAGGLE_USERNAME/KEY."""
+    try:
+        import kagglehub
+    except ImportError:
+        raise ImportError(
+            "--source kaggle needs the kagglehub package: pip install kagglehub."
+        ) from None
+    if args.kaggle_username:
+        os.environ["KAGGLE_USERNAME"] = args.kaggle_username
+    if args.kaggle_api_key:
+        os.environ["KAGGLE_KEY"] = args.kaggle_api_key
+    if args.output_dir:
+        print("--output-dir is not used with --source kaggle (kagglehub's cache is).")
+    path = kagglehub.model_download(args.repo_id)
     print(f"Downloaded {args.repo_id} to {path}")
     return 0
 
 # %% ../../nbs/6c_cli.ipynb #c1d0fee9
 def _add_cp_parser(sub: argparse._SubParsersAction) -> None:
-    "`tunelit cp NAME DESTINATION [--force] [--make-parents]`."
+    "`tunelit cp NAME DESTINATION [--force | -n] [--make-parents]`."
     p = sub.add_parser("cp", help="copy a built-in recipe or config for editing")
     p.add_argument(
         "name",
@@ -513,6 +620,12 @@ def _add_cp_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("destination", help="file or existing folder to copy to")
     p.add_argument("--force", action="store_true", help="overwrite an existing file")
+    p.add_argument(
+        "-n",
+        "--no-clobber",
+        action="store_true",
+        help="skip (and succeed) if the destination exists, as tune cp -n",
+    )
     p.add_argument(
         "--make-parents", action="store_true", help="create missing parent folders"
     )
@@ -552,11 +665,14 @@ def _add_config_parsers(sub: argparse._SubParsersAction) -> None:
             p.add_argument(
                 "--resolve", action="store_true", help="resolve ${...} interpolations"
             )
+            p.add_argument(
+                "--sort", action="store_true", help="print the keys in sorted order"
+            )
         p.set_defaults(func=func)
 
 # %% ../../nbs/6c_cli.ipynb #82d0dca4
 def _add_download_parser(sub: argparse._SubParsersAction) -> None:
-    "`tunelit download REPO_ID [--output-dir] [--allow/ignore-patterns] [--hf-token]`."
+    "`tunelit download REPO_ID [--output-dir] [--ignore-patterns] [--hf-token] ...`."
     p = sub.add_parser("download", help="download a model from the Hugging Face Hub")
     p.add_argument("repo_id", help="e.g. meta-llama/Llama-3.2-1B-Instruct")
     p.add_argument("--output-dir", help="folder to download into (default /tmp/<name>)")
@@ -577,7 +693,16 @@ def _add_download_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="access token (default: the HF_TOKEN environment variable)",
     )
+    p.add_argument(
+        "--source",
+        choices=["huggingface", "kaggle"],
+        default="huggingface",
+        help="the hub to download from",
+    )
+    p.add_argument("--kaggle-username", help="Kaggle user (or KAGGLE_USERNAME)")
+    p.add_argument("--kaggle-api-key", help="Kaggle API key (or KAGGLE_KEY)")
     p.set_defaults(func=cmd_download)
+
 
 # %% ../../nbs/6c_cli.ipynb #870c04ca
 def _runs_module():

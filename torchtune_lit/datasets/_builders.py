@@ -356,8 +356,14 @@ class PreferenceDataset(Dataset):
         tokenizer: Any,
         filter_fn: Optional[Callable] = None,
         split: str = "train",
+        packed: bool = False,
         **load_dataset_kwargs: Any,
     ) -> None:
+        if packed:
+            raise ValueError(
+                "packed=True is not supported for preference data: a chosen and a "
+                "rejected answer are compared as a pair, not packed; set packed: false."
+            )
         self._rows = load_rows(source, split, filter_fn, **load_dataset_kwargs)
         check_columns(self._rows, message_transform)
         self._message_transform, self._tokenizer = message_transform, tokenizer

@@ -8,6 +8,7 @@ __all__ = ['PackedDataset']
 # %% ../../nbs/44_packing.ipynb #c4ae3c08
 from typing import Optional
 
+import torch
 from torch.utils.data import Dataset
 
 from ..data import CROSS_ENTROPY_IGNORE_IDX
@@ -25,16 +26,18 @@ def _pad_pack(
     """
     pad = max_seq_len - len(pack["tokens"])
     if pad:
+        start = pack["input_pos"][-1] + 1 if pack["input_pos"] else 0
         pack["tokens"] += [padding_idx] * pad
         pack["labels"] += [CROSS_ENTROPY_IGNORE_IDX] * pad
-        pack["input_pos"] += list(range(pad))
+        positions = range(start, start + pad)
+        pack["input_pos"] += [min(p, max_seq_len - 1) for p in positions]
         pack["seq_lens"].append(pad)
     return pack
 
 # %% ../../nbs/44_packing.ipynb #d42d15bd
 class PackedDataset(Dataset):
     """Greedy packing of `ds`'s {'tokens', 'labels'} samples into packs of exactly
-    `max_seq_len` tokens.
+    `max_seq_len` tokens; items are dicts of tensors.
     """
 
     def __init__(
@@ -46,11 +49,8 @@ class PackedDataset(Dataset):
         max_packs: Optional[int] = None,
         split_across_pack: bool = False,
     ) -> None:
-        self.max_seq_len, self.padding_idx, self.split_across_pack = (
-            max_seq_len,
-            padding_idx,
-            split_across_pack,
-        )
+        self.ds, self.max_seq_len, self.padding_idx = ds, max_seq_len, padding_idx
+        self.max_packs, self.split_across_pack = max_packs, split_across_pack
         self.packs: list[dict[str, list[int]]] = []
         current = _empty_pack()
         for index in range(len(ds)):
@@ -58,29 +58,36 @@ class PackedDataset(Dataset):
             tokens, labels = list(sample["tokens"]), list(sample["labels"])
             if len(tokens) > max_seq_len and not split_across_pack:
                 raise ValueError(
-                    f"sample {index} has {len(tokens)} tokens, more "
-                    f"than max_seq_len={max_seq_len}: raise max_seq_len, truncate in "
-                    "the tokenizer (tokenizer.max_seq_len), or set "
+                    f"Dataset sample is too long: sample {index} has {len(tokens)} "
+                    f"tokens, more than max_seq_len={max_seq_len}: raise max_seq_len, "
+                    "truncate in the tokenizer (tokenizer.max_seq_len), or set "
                     "split_across_pack=True."
                 )
-            while tokens:
+            placed = 0  # tokens of this sample already in packs
+            while placed < len(tokens):
                 room = max_seq_len - len(current["tokens"])
-                if len(tokens) > room and (not split_across_pack or room == 0):
+                left = len(tokens) - placed
+                if left > room and (not split_across_pack or room == 0):
                     self.packs.append(_pad_pack(current, max_seq_len, padding_idx))
                     current, room = _empty_pack(), max_seq_len
-                piece, tokens = tokens[:room], tokens[room:]
-                piece_labels, labels = labels[:room], labels[room:]
-                current["tokens"] += piece
-                current["labels"] += piece_labels
-                current["input_pos"] += list(range(len(piece)))
-                current["seq_lens"].append(len(piece))
-            if max_packs is not None and len(self.packs) >= max_packs:
-                break
-        if current["tokens"] and (max_packs is None or len(self.packs) < max_packs):
+                    if self._full():
+                        return
+                end = placed + min(left, room)
+                current["tokens"] += tokens[placed:end]
+                current["labels"] += labels[placed:end]
+                current["input_pos"] += [p % max_seq_len for p in range(placed, end)]
+                current["seq_lens"].append(end - placed)
+                placed = end
+        if current["tokens"]:
             self.packs.append(_pad_pack(current, max_seq_len, padding_idx))
+
+    def _full(self) -> bool:
+        "Whether max_packs packs are made (the rest of the data is not read)."
+        return self.max_packs is not None and len(self.packs) >= self.max_packs
 
     def __len__(self) -> int:
         return len(self.packs)
 
-    def __getitem__(self, index: int) -> dict[str, list[int]]:
-        return self.packs[index]
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        pack = self.packs[index]
+        return {k: torch.tensor(v, dtype=torch.long) for k, v in pack.items()}

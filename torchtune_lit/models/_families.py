@@ -48,7 +48,7 @@ _COMMON_KEYS = {
     "model.layers.{}.mlp.down_proj.weight": "layers.{}.mlp.w2.weight",
     "model.layers.{}.input_layernorm.weight": "layers.{}.sa_norm.scale",
 }
-# Llama, Qwen 2 and Mistral
+# Llama, Qwen 2, Mistral and Gemma (1)
 _LLAMA_KEYS = {
     **_COMMON_KEYS,
     "model.layers.{}.post_attention_layernorm.weight": "layers.{}.mlp_norm.scale",
@@ -139,6 +139,15 @@ def _qwen3_settings(cfg: dict[str, Any]) -> dict[str, Any]:
     return dict(qk_norm=True)
 
 # %% ../../nbs/29_model_families.ipynb #13c26f63
+def _gemma_settings(cfg: dict[str, Any]) -> dict[str, Any]:
+    "Gemma (1): Llama's layout with Gemma's norm, GeGLU and scaled embeddings."
+    return dict(
+        norm="gemma",
+        mlp_activation=nn.GELU(approximate="tanh"),
+        embed_scale=math.sqrt(cfg["hidden_size"]),
+    )
+
+
 def _gemma2_settings(cfg: dict[str, Any]) -> dict[str, Any]:
     "Gemma 2: post-norms, GeGLU, score scale, soft-caps, scaled embeddings, windows."
     layer_types = cfg.get("layer_types") or [
@@ -177,6 +186,7 @@ MODEL_FAMILIES = {
         ModelFamily(
             hf_model_type="llama",
             tune_model_types={
+                "LLAMA2": "llama2",
                 "LLAMA3": "llama3",
                 "LLAMA3_1": "llama3_1",
                 "LLAMA3_2": "llama3_2",
@@ -218,6 +228,14 @@ MODEL_FAMILIES = {
             decoder_settings=_phi3_settings,
             chat_format=None,  # Phi-3's <|user|> and Phi-4's <|im_sep|>: the template
             fused_keys=_PHI3_FUSED,
+        ),
+        ModelFamily(
+            hf_model_type="gemma",
+            tune_model_types={"GEMMA": "gemma"},
+            key_map=_LLAMA_KEYS,
+            tied_by_default=True,
+            decoder_settings=_gemma_settings,
+            chat_format="GemmaFormat",
         ),
         ModelFamily(
             hf_model_type="gemma2",

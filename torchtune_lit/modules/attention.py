@@ -267,6 +267,8 @@ class MultiHeadAttention(nn.Module):
         self.q_norm = q_norm
         self.k_norm = k_norm
         self.kv_cache = kv_cache
+        # torchtune's switch: False makes forward ignore a cache that is set up
+        self.cache_enabled = kv_cache is not None
 
     # the KV cache, for decoding
     def setup_cache(
@@ -277,6 +279,7 @@ class MultiHeadAttention(nn.Module):
         self.kv_cache = KVCache(
             batch_size, max_seq_len, self.num_kv_heads, self.head_dim, dtype
         ).to(device)
+        self.cache_enabled = True
 
     def reset_cache(self) -> None:
         "Empty the KV cache (a new generation)."
@@ -286,6 +289,11 @@ class MultiHeadAttention(nn.Module):
                 "call setup_cache first."
             )
         self.kv_cache.reset()
+
+    @property
+    def _cache(self) -> Optional[KVCache]:
+        "The KV cache forward uses: None when absent or switched off."
+        return self.kv_cache if self.cache_enabled else None
 
     # which keys each query may see; whether to attend per document
     def _attention_mask(
@@ -301,7 +309,7 @@ class MultiHeadAttention(nn.Module):
         """
         if (
             mask is None
-            and self.kv_cache is None
+            and self._cache is None
             and self.sliding_window is None
             and self.softcapping is None
         ):
@@ -310,7 +318,7 @@ class MultiHeadAttention(nn.Module):
             return mask  # the caller's mask alone decides: nothing to build
         q_pos = positions if positions is not None else torch.arange(s_q, device=device)
         q_pos = q_pos.view(-1, s_q)  # [b|1, s_q]
-        if self.kv_cache is None and positions is not None and s_kv == s_q:
+        if self._cache is None and positions is not None and s_kv == s_q:
             kv_pos = q_pos  # packed rows: keys share the queries' positions
         else:  # keys at 0..s_kv-1: with a cache, its slots
             kv_pos = torch.arange(s_kv, device=device).view(1, s_kv)
@@ -331,7 +339,7 @@ class MultiHeadAttention(nn.Module):
         "Document spans when attention may run per document (Step 4b); else None."
         plain = (
             self.is_causal
-            and self.kv_cache is None
+            and self._cache is None
             and self.sliding_window is None
             and self.softcapping is None
         )
@@ -369,25 +377,25 @@ class MultiHeadAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         positions = input_pos
         # decoding: continue after what the cache holds
-        if positions is None and self.kv_cache is not None:
+        if positions is None and self._cache is not None:
             positions = torch.arange(
-                self.kv_cache.size, self.kv_cache.size + s, device=x.device
+                self._cache.size, self._cache.size + s, device=x.device
             )
         if self.pos_embeddings is not None:
             q = self.pos_embeddings(q, input_pos=positions)
             k = self.pos_embeddings(k, input_pos=positions)
         # [b, heads, seq, head_dim]
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        if self.kv_cache is not None:
+        if self._cache is not None:
             # append, then keep what the cache holds so far; the mask is cut to match
-            k, v = self.kv_cache.update(k, v)
-            filled = self.kv_cache.size
+            k, v = self._cache.update(k, v)
+            filled = self._cache.size
             k, v = k[:, :, :filled], v[:, :, :filled]
             if mask is not None:
                 mask = mask[..., :filled]
         # one new token after all the cached ones (no mask or positions given) may see
         # every key: no mask to build
-        whole_cache = self.kv_cache is not None and s == 1 and input_pos is None
+        whole_cache = self._cache is not None and s == 1 and input_pos is None
         if not (whole_cache and mask is None and self.sliding_window is None):
             mask = self._attention_mask(mask, positions, s, k.shape[2], x.device)
         dropout_p = self.attn_dropout if self.training else 0.0

@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['causal_mask', 'get_causal_mask_from_padding_mask', 'get_position_ids_from_padding_mask', 'create_block_causal_mask',
-           'packed_position_ids']
+           'packed_position_ids', 'packed_block_causal_mask']
 
 # %% ../../nbs/12_attention_utils.ipynb #947a45b5
 from typing import Optional, Sequence
@@ -56,7 +56,7 @@ def create_block_causal_mask(seq_lens: Sequence[Sequence[int]]) -> torch.Tensor:
     Each sample attends causally to itself only. Every row must have the same total
     length (pad with a final 'sample' of padding, which then only attends to itself).
     """
-    totals = {sum(lens) for lens in seq_lens}
+    totals = {int(sum(lens)) for lens in seq_lens}  # ints, not tensors
     if len(totals) != 1:
         raise ValueError(
             "packed rows must have one total length, got "
@@ -74,3 +74,8 @@ def packed_position_ids(seq_lens: Sequence[Sequence[int]]) -> torch.Tensor:
     return torch.stack(
         [torch.cat([torch.arange(int(n)) for n in lens]) for lens in seq_lens]
     )
+
+
+def packed_block_causal_mask(seq_lens: Sequence[Sequence[int]]) -> torch.Tensor:
+    "torchtune's name for the packed mask: the dense `create_block_causal_mask`."
+    return create_block_causal_mask(seq_lens)

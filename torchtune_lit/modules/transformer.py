@@ -76,7 +76,7 @@ class TransformerDecoder(nn.Module):
     `layers` is a list of layers, or one layer copied `num_layers` times.
     `forward(tokens, *, mask=None, input_pos=None)` takes token ids [batch, seq] and
     returns fp32 logits [batch, seq, vocab], or — once `set_num_output_chunks` was
-    called — a list of that many chunks along the sequence, in the model's dtype (the
+    called — a list of exactly that many chunks along the sequence, in the model's dtype (the
     chunked loss upcasts one chunk at a time). `embed_scale` multiplies the embeddings
     (Gemma: sqrt(dim)); `final_logit_softcapping` caps the logits.
     """
@@ -119,22 +119,32 @@ class TransformerDecoder(nn.Module):
         batch_size: int,
         dtype: torch.dtype,
         *,
+        encoder_max_seq_len: Optional[int] = None,
         decoder_max_seq_len: Optional[int] = None,
     ) -> None:
         """Give every attention layer a KV cache for `batch_size` sequences of up to
-        `decoder_max_seq_len` tokens.
+        `decoder_max_seq_len` tokens (`encoder_max_seq_len`, torchtune's argument for
+        cross-attention models, has nothing to size in a decoder-only model).
         """
         for layer in self.layers:
             layer.attn.setup_cache(
                 batch_size, dtype, decoder_max_seq_len or self.max_seq_len
             )
 
-    def caches_are_enabled(self) -> bool:
+    def caches_are_setup(self) -> bool:
         "Whether the layers hold KV caches (set up and not removed)."
         return self.layers[0].attn.kv_cache is not None
 
+    def caches_are_enabled(self) -> bool:
+        "Whether forward uses the KV caches (set up and not switched off)."
+        return self.layers[0].attn._cache is not None
+
     def reset_caches(self) -> None:
         "Empty every KV cache (start a new generation)."
+        if not self.caches_are_setup():
+            raise RuntimeError(
+                "Key value caches are not setup: call setup_caches first."
+            )
         for layer in self.layers:
             layer.attn.reset_cache()
 
@@ -142,6 +152,7 @@ class TransformerDecoder(nn.Module):
         "Drop the KV caches (back to training-style full forward passes)."
         for layer in self.layers:
             layer.attn.kv_cache = None
+            layer.attn.cache_enabled = False
 
     # the forward pass, and the form of its output
     def set_num_output_chunks(self, num_output_chunks: int) -> None:
@@ -156,16 +167,18 @@ class TransformerDecoder(nn.Module):
         *,
         mask: Optional[torch.Tensor] = None,
         input_pos: Optional[torch.Tensor] = None,
+        input_embeds: Optional[torch.Tensor] = None,
     ) -> Union[torch.Tensor, list[torch.Tensor]]:
-        "Logits for `tokens` [batch, seq] (see the class docstring)."
-        seq_len = tokens.shape[1]
+        """Logits for `tokens` [batch, seq] (see the class docstring);
+        `input_embeds` [batch, seq, dim] replaces the token embeddings."""
+        seq_len = (tokens if input_embeds is None else input_embeds).shape[1]
         if seq_len > self.max_seq_len:
             raise ValueError(
                 f"sequence length {seq_len} exceeds the model's "
                 f"max_seq_len {self.max_seq_len}: truncate the input (tokenizer "
                 "max_seq_len) or build the model with a larger one."
             )
-        h = self.tok_embeddings(tokens)
+        h = self.tok_embeddings(tokens) if input_embeds is None else input_embeds
         if self.embed_scale is not None:
             h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
         for layer in self.layers:
@@ -173,9 +186,8 @@ class TransformerDecoder(nn.Module):
         h = self.norm(h)
         # chunks stay in the model's dtype: the loss upcasts one at a time
         if self.num_output_chunks > 0:
-            return [
-                self._logits(chunk) for chunk in h.chunk(self.num_output_chunks, dim=1)
-            ]
+            chunks = h.tensor_split(self.num_output_chunks, dim=1)
+            return [self._logits(chunk) for chunk in chunks]
         return self._logits(h).float()
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:

@@ -48,6 +48,8 @@ CONFIG_KEYS = {
     "limit": (None, "lm-eval: examples per task"),
     "num_fewshot": (None, "lm-eval: few-shot examples"),
     "max_seq_len": (2048, "lm-eval: longest sequence"),
+    "max_seq_length": (None, "torchtune's name for max_seq_len (either works)"),
+    "enable_kv_cache": (True, "generation keeps a KV cache (it always does here)"),
     "max_gen_toks": (256, "lm-eval: tokens to generate at most"),
 }
 
@@ -228,7 +230,8 @@ def _build_lm(cfg: DictConfig) -> tuple[TorchtuneLitLM, Any]:
         tokenizer,
         device,
         batch_size=cfg.get("batch_size", 8),
-        max_seq_len=cfg.get("max_seq_len", 2048),
+        # max_seq_length: torchtune's eleuther configs name it so
+        max_seq_len=cfg.get("max_seq_len") or cfg.get("max_seq_length") or 2048,
         max_gen_toks=cfg.get("max_gen_toks", 256),
     )
     return lm, checkpointer

@@ -17,6 +17,7 @@ import torchtune_lit.rlhf.preference_parts as preference_parts
 import torchtune_lit.training as training
 import torchtune_lit.training.metric_logging as metric_logging
 import torchtune_lit.training.preflight as preflight
+import torchtune_lit.training.profiler as profiling
 import torchtune_lit.training.runs as runs
 
 # %% ../../nbs/87_full_dpo_single_device.ipynb #a42250e8
@@ -38,13 +39,26 @@ CONFIG_KEYS = {
         "keep saved activations in CPU memory (GPU only)",
     ),
     "progress_bar": (True, "show a progress bar"),
+    "log_every_n_steps": (
+        1,
+        "a log line (without a progress bar) and metric_logger every N steps",
+    ),
+    "log_level": ("INFO", "level of the recipe's messages: DEBUG, INFO, WARNING"),
+    "log_peak_memory_stats": (False, "add peak memory (GiB) to each step's metrics"),
+    "profiler": (None, "a torch.profiler trace of a few steps (setup_torch_profiler)"),
     "metric_logger": (None, "an extra logger component (TensorBoard, W&B, MLflow)"),
     "preflight": (True, "check the setup before training (stops on an error)"),
     "model": ("required", "the model builder component"),
     "tokenizer": ("required", "the tokenizer component"),
     "dataset": ("required", "the training dataset component"),
     "validation_dataset": (None, "held-out dataset for val_loss and best/"),
+    "dataset_val": (None, "torchtune's name for validation_dataset"),
+    "batch_size_val": (None, "validation batch size (null: batch_size)"),
     "checkpointer": ("required", "reads the base weights and writes the outputs"),
+    "ref_checkpointer": (
+        None,
+        "torchtune's reference checkpointer: here the starting weights (same dir)",
+    ),
     "optimizer": (None, "the optimizer component"),
     "lr_scheduler": (None, "the learning-rate schedule component"),
     "loss": ("required", "the loss component"),
@@ -73,6 +87,19 @@ CONFIG_KEYS = {
 # %% ../../nbs/87_full_dpo_single_device.ipynb #61a30d77
 def train(cfg: DictConfig) -> list[dict]:
     "Run the recipe described by `cfg`; return the metrics of every step."
+    # torchtune's log_level: the recipe's messages through `logging`
+    log = metric_logging.set_log_level(cfg.get("log_level", "INFO"))
+    # the held-out set under our name or torchtune's (dataset_val)
+    val_dataset = cfg.get("validation_dataset") or cfg.get("dataset_val")
+    # torchtune's ref_checkpointer: the reference here is the starting weights
+    reference_dir = OmegaConf.select(cfg, "ref_checkpointer.checkpoint_dir")
+    policy_dir = OmegaConf.select(cfg, "checkpointer.checkpoint_dir")
+    if reference_dir not in (None, policy_dir):
+        raise ValueError(
+            "ref_checkpointer names other weights than checkpointer; this recipe's "
+            "reference is the starting weights: drop ref_checkpointer."
+        )
+    val_batch_size = cfg.get("batch_size_val") or cfg.get("batch_size")
     # 1. device, dtype, seed, the run folder; the model, strictly from its checkpoint
     config.check_run_values(cfg)
     device = training.get_device(cfg.device)
@@ -98,8 +125,8 @@ def train(cfg: DictConfig) -> list[dict]:
     tokenizer = config.instantiate(cfg.tokenizer)
     loader, val_loader = preference_parts.build_preference_loaders(
         config.instantiate(cfg.dataset, tokenizer),
-        config.instantiate(cfg.get("validation_dataset"), tokenizer),
-        cfg.batch_size, cfg.seed, cfg.get("shuffle", True), cfg.get("sanity_check"),
+        config.instantiate(val_dataset, tokenizer),
+        val_batch_size, cfg.seed, cfg.get("shuffle", True), cfg.get("sanity_check"),
     )  # fmt: skip
     trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = config.instantiate(cfg.optimizer, trained)
@@ -142,17 +169,24 @@ def train(cfg: DictConfig) -> list[dict]:
         lr=OmegaConf.select(cfg, "optimizer.lr"),
     )
     # the optional extra logger (None without one): the config now, every step later
+    # a bar on a terminal; elsewhere a line every log_every_n_steps
+    progress = metric_logging.show_progress(cfg.get("progress_bar", True))
     metric_logger = metric_logging.start_metric_logger(
-        config.instantiate(cfg.get("metric_logger")), settings
+        config.instantiate(cfg.get("metric_logger")), settings,
+        cfg.get("log_every_n_steps", 1), progress, total_steps,
     )
     reporter = training.StepReporter(
         output_dir, total_steps, start.step, "preference",
-        {"loss": ".4f", "rewards/margin": ".3f"}, cfg.get("progress_bar", True),
+        {"loss": ".4f", "rewards/margin": ".3f"}, progress,
         metric_logger=metric_logger,
     )  # fmt: skip
     batches = training.resumable_batches(
         loader, device, cfg.epochs, steps_per_epoch, accumulation, start
     )
+
+    # torchtune's `profiler` section: a trace of a few steps (a no-op when off)
+    profiler = profiling.build_profiler(settings.get("profiler"), output_dir)
+    profiler.start()
 
     # 4. the loop: one optimizer step per `accumulation` micro-batches of pairs
     val_every = cfg.get("run_val_every_n_steps", steps_per_epoch)
@@ -192,7 +226,10 @@ def train(cfg: DictConfig) -> list[dict]:
                 reference,
             )  # fmt: skip
             metrics.update(held_out)
+        if cfg.get("log_peak_memory_stats", False):
+            metrics.update(training.get_memory_stats(device))
         reporter.report(epoch, metrics)
+        profiler.step()  # the schedule counts optimizer steps
         save_every = cfg.get("save_every_n_steps")
         if save_every and step % save_every == 0 and step < total_steps:
             training.save_step_checkpoint(
@@ -201,13 +238,14 @@ def train(cfg: DictConfig) -> list[dict]:
             )  # fmt: skip
 
     # 6. the end: one summary line; every weight in Hugging Face format
+    profiler.stop()  # writes a cycle still recording
     history = reporter.close()
     if history:
-        print(preference_parts.preference_summary(loss_fn, history))
+        log.info(preference_parts.preference_summary(loss_fn, history))
     folder = checkpointer.save_checkpoint(
         {"model": model.state_dict()}, epoch=cfg.epochs - 1
     )
-    print(f"Saved the model in Hugging Face format to {folder}")
+    log.info(f"Saved the model in Hugging Face format to {folder}")
     runs.release_output_dir(output_dir)  # record what the run wrote; drop the lock
     return history
 

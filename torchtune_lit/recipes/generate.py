@@ -33,7 +33,8 @@ CONFIG_KEYS = {
     "dtype": ("required", "fp32 or bf16"),
     "tokenizer": ("required", "the tokenizer component"),
     "checkpointer": ("required", "reads the base weights and writes the outputs"),
-    "prompt": ("required", "generate: the chat messages or text to continue"),
+    "model": (None, "the model builder (null: from the checkpoint's config.json)"),
+    "prompt": ("required", "the user's turn (a string), chat messages, or text"),
     "max_new_tokens": ("required", "tokens to generate at most"),
     "temperature": (0.0, "sampling temperature (0: greedy)"),
     "top_k": (None, "sample among the k most likely tokens (null: all)"),
@@ -46,23 +47,30 @@ def prompt_tokens(cfg: DictConfig, tokenizer) -> list[int]:
     with BOS.
     """
     prompt = cfg.prompt
+    if isinstance(prompt, str):  # torchtune's prompt="...": the user's turn
+        prompt = {"user": prompt}
+    if prompt is None or not hasattr(prompt, "get"):
+        raise ValueError(
+            f"prompt is {prompt!r}: give a string (the user's turn), 'prompt.user' "
+            "(and 'prompt.system'), or 'prompt.text' (raw text)."
+        )
     if prompt.get("text") is not None:
         if prompt.get("user") is not None:
             raise ValueError(
                 "prompt has both 'text' and 'user': give raw text or "
                 "chat messages, not both."
             )
-        return tokenizer.encode(prompt.text, add_bos=True, add_eos=False)
+        return tokenizer.encode(prompt["text"], add_bos=True, add_eos=False)
     if prompt.get("user") is None:
         raise ValueError(
             "prompt needs 'user' (chat, optionally with 'system') or 'text' (raw text)."
         )
     messages = (
-        [data.Message("system", prompt.system, masked=True)]
+        [data.Message("system", prompt["system"], masked=True)]
         if prompt.get("system")
         else []
     )
-    messages.append(data.Message("user", prompt.user, masked=True))
+    messages.append(data.Message("user", prompt["user"], masked=True))
     return tokenizer.tokenize_messages(messages, add_generation_prompt=True)[0]
 
 # %% ../../nbs/91_generate.ipynb #1e75f6fa
@@ -74,7 +82,11 @@ def run_generation(cfg: DictConfig) -> dict:
     dtype = training.get_dtype(cfg.dtype, device)
     training.set_seed(cfg.seed)
     checkpointer = config.instantiate(cfg.checkpointer)
-    model = training.load_model_for_eval(checkpointer, device, dtype)
+    if cfg.get("model") is not None:  # torchtune's configs name the builder
+        built = config.instantiate(cfg.model)
+        model = training.load_model(built, checkpointer, device, dtype).eval()
+    else:
+        model = training.load_model_for_eval(checkpointer, device, dtype)
     tokenizer = config.instantiate(cfg.tokenizer)
     tokens = prompt_tokens(cfg, tokenizer)
     rng = torch.Generator(device=device).manual_seed(cfg.seed)

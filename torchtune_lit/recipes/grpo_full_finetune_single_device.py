@@ -19,6 +19,7 @@ import torchtune_lit.rlhf.grpo_parts as grpo_parts
 import torchtune_lit.rlhf.rewards as rewards
 import torchtune_lit.training as training
 import torchtune_lit.training.metric_logging as metric_logging
+import torchtune_lit.training.profiler as profiling
 import torchtune_lit.training.runs as runs
 
 # %% ../../nbs/8a_grpo_full_finetune_single_device.ipynb #489e989a
@@ -36,11 +37,20 @@ CONFIG_KEYS = {
     "compile": (False, "torch.compile each layer"),
     "enable_activation_checkpointing": (False, "recompute activations in backward"),
     "progress_bar": (True, "show a progress bar"),
+    "log_every_n_steps": (
+        1,
+        "a log line (without a progress bar) and metric_logger every N steps",
+    ),
+    "log_level": ("INFO", "level of the recipe's messages: DEBUG, INFO, WARNING"),
+    "log_peak_memory_stats": (False, "add peak memory (GiB) to each step's metrics"),
+    "profiler": (None, "a torch.profiler trace of a few steps (setup_torch_profiler)"),
     "metric_logger": (None, "an extra logger component (TensorBoard, W&B, MLflow)"),
     "model": ("required", "the model builder component"),
     "tokenizer": ("required", "the tokenizer component"),
     "dataset": ("required", "the training dataset component"),
     "validation_dataset": (None, "held-out dataset for val_loss and best/"),
+    "dataset_val": (None, "torchtune's name for validation_dataset"),
+    "batch_size_val": (None, "validation batch size (null: batch_size)"),
     "checkpointer": ("required", "reads the base weights and writes the outputs"),
     "optimizer": (None, "the optimizer component"),
     "lr_scheduler": (None, "the learning-rate schedule component"),
@@ -70,6 +80,11 @@ CONFIG_KEYS = {
 # %% ../../nbs/8a_grpo_full_finetune_single_device.ipynb #8b3a1d83
 def train(cfg: DictConfig) -> list[dict]:
     "Run the recipe described by `cfg`; return the metrics of every step."
+    # torchtune's log_level: the recipe's messages through `logging`
+    log = metric_logging.set_log_level(cfg.get("log_level", "INFO"))
+    # the held-out set under our name or torchtune's (dataset_val)
+    val_dataset = cfg.get("validation_dataset") or cfg.get("dataset_val")
+    val_batch_size = cfg.get("batch_size_val") or cfg.get("batch_size")
     # 1. settings that would train nothing; device, dtype, seed, the run folder; the
     # policy (LoRA through the builder) and its reference
     reward_functions = [
@@ -112,8 +127,8 @@ def train(cfg: DictConfig) -> list[dict]:
         cfg.get("shuffle", True),
     )
     val_loader = training.build_validation_loader(
-        config.instantiate(cfg.get("validation_dataset"), tokenizer),
-        cfg.batch_size, collate_fn=rewards.padded_collate_prompts,
+        config.instantiate(val_dataset, tokenizer),
+        val_batch_size, collate_fn=rewards.padded_collate_prompts,
     )  # fmt: skip
     trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = config.instantiate(cfg.optimizer, trained)
@@ -141,25 +156,31 @@ def train(cfg: DictConfig) -> list[dict]:
         start_validation = grpo_parts.grpo_validation(
             model, tokenizer, reward_functions, val_loader, cfg.max_new_tokens
         )
-        print(
+        log.info(
             f"validation before step {start.step + 1}: accuracy "
             f"{start_validation['val_accuracy']:.1%}, mean reward "
-            f"{start_validation['val_reward']:.3f}",
-            flush=True,
+            f"{start_validation['val_reward']:.3f}"
         )
     # the optional extra logger (None without one): the config now, every step later
+    # a bar on a terminal; elsewhere a line every log_every_n_steps
+    progress = metric_logging.show_progress(cfg.get("progress_bar", True))
     metric_logger = metric_logging.start_metric_logger(
-        config.instantiate(cfg.get("metric_logger")), settings
+        config.instantiate(cfg.get("metric_logger")), settings,
+        cfg.get("log_every_n_steps", 1), progress, total_steps,
     )
     reporter = training.StepReporter(
         output_dir, total_steps, start.step, "grpo", {"reward": ".3f", "kl": ".4f"},
-        cfg.get("progress_bar", True),
+        progress,
         metric_logger=metric_logger,
     )  # fmt: skip
     batches = training.resumable_batches(
         loader, device, cfg.epochs, steps_per_epoch, accumulation, start
     )
     ppo_epochs = cfg.get("ppo_epochs", 1)
+
+    # torchtune's `profiler` section: a trace of a few steps (a no-op when off)
+    profiler = profiling.build_profiler(settings.get("profiler"), output_dir)
+    profiler.start()
 
     # 4. the loop: sample and score every micro-batch, then `ppo_epochs` passes, each
     # one optimizer step over the same samples
@@ -219,7 +240,10 @@ def train(cfg: DictConfig) -> list[dict]:
                     model, tokenizer, reward_functions, val_loader, cfg.max_new_tokens
                 )
             )
+        if cfg.get("log_peak_memory_stats", False):
+            metrics.update(training.get_memory_stats(device))
         reporter.report(epoch, metrics)
+        profiler.step()  # the schedule counts optimizer steps
         save_every = cfg.get("save_every_n_steps")
         if save_every and step % save_every == 0 and step < total_steps:
             training.save_step_checkpoint(
@@ -229,13 +253,14 @@ def train(cfg: DictConfig) -> list[dict]:
 
     # 6. the end: the summary line; the policy in Hugging Face format (LoRA: merged
     # model + adapter)
+    profiler.stop()  # writes a cycle still recording
     history = reporter.close()
     if history:
-        print(grpo_parts.grpo_summary(history, start_validation), flush=True)
+        log.info(grpo_parts.grpo_summary(history, start_validation))
     folder = checkpointer.save_checkpoint(
         training.epoch_weights(model), epoch=cfg.epochs - 1
     )
-    print(f"Saved the policy in Hugging Face format to {folder}", flush=True)
+    log.info(f"Saved the policy in Hugging Face format to {folder}")
     runs.release_output_dir(output_dir)  # record what the run wrote; drop the lock
     return history
 

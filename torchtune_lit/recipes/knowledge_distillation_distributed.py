@@ -20,6 +20,7 @@ import torchtune_lit.config as config
 import torchtune_lit.datasets as datasets
 import torchtune_lit.training as training
 import torchtune_lit.training.metric_logging as metric_logging
+import torchtune_lit.training.profiler as profiling
 import torchtune_lit.training.runs as runs
 
 # %% ../../nbs/85b_knowledge_distillation_distributed.ipynb #b0b7aca6
@@ -37,11 +38,26 @@ CONFIG_KEYS = {
     "compile": (False, "torch.compile each layer"),
     "enable_activation_checkpointing": (False, "recompute activations in backward"),
     "progress_bar": (True, "show a progress bar"),
+    "log_every_n_steps": (
+        1,
+        "a log line (without a progress bar) and metric_logger every N steps",
+    ),
+    "log_level": ("INFO", "level of the recipe's messages: DEBUG, INFO, WARNING"),
+    "log_peak_memory_stats": (False, "add peak memory (GiB) to each step's metrics"),
+    "profiler": (None, "a torch.profiler trace of a few steps (setup_torch_profiler)"),
     "metric_logger": (None, "an extra logger component (TensorBoard, W&B, MLflow)"),
     "model": ("required", "the model builder component"),
     "tokenizer": ("required", "the tokenizer component"),
     "dataset": ("required", "the training dataset component"),
     "validation_dataset": (None, "held-out dataset for val_loss and best/"),
+    "dataset_val": (None, "torchtune's name for validation_dataset"),
+    "batch_size_val": (None, "validation batch size (null: batch_size)"),
+    "fsdp_cpu_offload": (False, "torchtune's FSDP CPU offload: true is refused"),
+    "custom_sharded_layers": (
+        None,
+        "torchtune's own FSDP units: here embeddings/output go with the root",
+    ),
+    "tensor_parallel_plan": (None, "torchtune's TP plan component (refused: use ours)"),
     "checkpointer": ("required", "reads the base weights and writes the outputs"),
     "optimizer": (None, "the optimizer component"),
     "lr_scheduler": (None, "the learning-rate schedule component"),
@@ -88,6 +104,11 @@ def load_sharded_teacher(
 def train(cfg: DictConfig) -> dict:
     """Run the recipe on every rank; returns rank 0's step metrics (empty elsewhere) and
     the held-out KL to the teacher before and after."""
+    # torchtune's log_level: the recipe's messages through `logging`
+    log = metric_logging.set_log_level(cfg.get("log_level", "INFO"))
+    # the held-out set under our name or torchtune's (dataset_val)
+    val_dataset = cfg.get("validation_dataset") or cfg.get("dataset_val")
+    val_batch_size = cfg.get("batch_size_val") or cfg.get("batch_size")
     # 1. join the process group; this rank's share of the data
     config.check_run_values(cfg)
     rank, world_size, device = training.init_distributed()
@@ -119,8 +140,8 @@ def train(cfg: DictConfig) -> dict:
         cfg.get("sanity_check"), rank, world_size,
     )  # fmt: skip
     val_loader = training.build_validation_loader(
-        config.instantiate(cfg.get("validation_dataset"), tokenizer),
-        cfg.batch_size, rank, world_size,
+        config.instantiate(val_dataset, tokenizer),
+        val_batch_size, rank, world_size,
     )  # fmt: skip
 
     # 2. the student and the frozen teacher, sharded; losses, optimizer, schedule
@@ -168,19 +189,25 @@ def train(cfg: DictConfig) -> dict:
     reporter = None
     if rank == 0:
         # the optional extra logger: the config now, every step later
+        # a bar on a terminal; elsewhere a line every log_every_n_steps
+        progress = metric_logging.show_progress(cfg.get("progress_bar", True))
         metric_logger = metric_logging.start_metric_logger(
-            config.instantiate(cfg.get("metric_logger")), settings
+            config.instantiate(cfg.get("metric_logger")), settings,
+            cfg.get("log_every_n_steps", 1), progress, total_steps,
         )
         reporter = training.StepReporter(
             output_dir, total_steps, start.step, "distil",
-            {"loss": ".3f", "kd_loss": ".3f"}, cfg.get("progress_bar", True),
-            print_steps=True,
+            {"loss": ".3f", "kd_loss": ".3f"}, progress,
             metric_logger=metric_logger,
         )  # fmt: skip
     val_every = cfg.get("run_val_every_n_steps", steps_per_epoch)
     batches = training.resumable_batches(
         loader, device, cfg.epochs, steps_per_epoch, accumulation, start
     )
+
+    # torchtune's `profiler` section: a trace of a few steps (a no-op when off)
+    profiler = profiling.build_profiler(settings.get("profiler"), output_dir)
+    profiler.start()
 
     # 4. the loop, on every rank: this rank's micro-batches, one step over all ranks
     kd_ratio = cfg.kd_ratio
@@ -228,8 +255,11 @@ def train(cfg: DictConfig) -> dict:
                 student, val_loader, device, cfg.get("max_validation_batches"), loss_fn,
                 world_size,
             )  # fmt: skip
+        if cfg.get("log_peak_memory_stats", False):
+            metrics.update(training.get_memory_stats(device))
         if reporter is not None:
             reporter.report(epoch, metrics)
+        profiler.step()  # the schedule counts optimizer steps
         save_every = cfg.get("save_every_n_steps")
         if save_every and step % save_every == 0 and step < total_steps:
             training.save_sharded_step(
@@ -239,12 +269,13 @@ def train(cfg: DictConfig) -> dict:
 
     # 6. the end: the held-out KL again (every rank), rank 0 writes both; the student
     # gathered (every rank), written by rank 0 in Hugging Face format
+    profiler.stop()  # writes a cycle still recording
     history = reporter.close() if reporter is not None else []
     kl_after = training.kl_to_teacher(student, teacher, held_out)
     if rank == 0:
         kl = {"before": kl_before, "after": kl_after}
         (output_dir / "kl_to_teacher.json").write_text(json.dumps(kl))
-        print(
+        log.info(
             f"KL(teacher || student) per held-out token {kl_before:.3f} -> "
             f"{kl_after:.3f}"
         )

@@ -18,6 +18,7 @@ import torchtune_lit.datasets as datasets
 import torchtune_lit.training as training
 import torchtune_lit.training.metric_logging as metric_logging
 import torchtune_lit.training.preflight as preflight
+import torchtune_lit.training.profiler as profiling
 import torchtune_lit.training.runs as runs
 
 # %% ../../nbs/85_knowledge_distillation_single_device.ipynb #ab3d7279
@@ -39,12 +40,21 @@ CONFIG_KEYS = {
         "keep saved activations in CPU memory (GPU only)",
     ),
     "progress_bar": (True, "show a progress bar"),
+    "log_every_n_steps": (
+        1,
+        "a log line (without a progress bar) and metric_logger every N steps",
+    ),
+    "log_level": ("INFO", "level of the recipe's messages: DEBUG, INFO, WARNING"),
+    "log_peak_memory_stats": (False, "add peak memory (GiB) to each step's metrics"),
+    "profiler": (None, "a torch.profiler trace of a few steps (setup_torch_profiler)"),
     "preflight": (True, "check the setup before training (stops on an error)"),
     "metric_logger": (None, "an extra logger component (TensorBoard, W&B, MLflow)"),
     "model": ("required", "the model builder component"),
     "tokenizer": ("required", "the tokenizer component"),
     "dataset": ("required", "the training dataset component"),
     "validation_dataset": (None, "held-out dataset for val_loss and best/"),
+    "dataset_val": (None, "torchtune's name for validation_dataset"),
+    "batch_size_val": (None, "validation batch size (null: batch_size)"),
     "checkpointer": ("required", "reads the base weights and writes the outputs"),
     "optimizer": (None, "the optimizer component"),
     "lr_scheduler": (None, "the learning-rate schedule component"),
@@ -82,6 +92,11 @@ def train(cfg: DictConfig) -> dict:
     """Run the recipe described by `cfg`; returns the step metrics, the held-out KL to
     the teacher before and after, and the folder of the saved student.
     """
+    # torchtune's log_level: the recipe's messages through `logging`
+    log = metric_logging.set_log_level(cfg.get("log_level", "INFO"))
+    # the held-out set under our name or torchtune's (dataset_val)
+    val_dataset = cfg.get("validation_dataset") or cfg.get("dataset_val")
+    val_batch_size = cfg.get("batch_size_val") or cfg.get("batch_size")
     # 1. device, dtype, seed, the run folder; the student; the frozen teacher
     config.check_run_values(cfg)
     device = training.get_device(cfg.device)
@@ -126,8 +141,8 @@ def train(cfg: DictConfig) -> dict:
     )
     # optional: the student's held-out CE
     val_loader = training.build_validation_loader(
-        config.instantiate(cfg.get("validation_dataset"), tokenizer),
-        cfg.batch_size,
+        config.instantiate(val_dataset, tokenizer),
+        val_batch_size,
     )  # fmt: skip
     trained = [p for p in student.parameters() if p.requires_grad]
     optimizer = config.instantiate(cfg.optimizer, trained)
@@ -178,17 +193,24 @@ def train(cfg: DictConfig) -> dict:
     )
     val_every = cfg.get("run_val_every_n_steps", steps_per_epoch)
     # the optional extra logger (None without one): the config now, every step later
+    # a bar on a terminal; elsewhere a line every log_every_n_steps
+    progress = metric_logging.show_progress(cfg.get("progress_bar", True))
     metric_logger = metric_logging.start_metric_logger(
-        config.instantiate(cfg.get("metric_logger")), settings
+        config.instantiate(cfg.get("metric_logger")), settings,
+        cfg.get("log_every_n_steps", 1), progress, total_steps,
     )
     reporter = training.StepReporter(
         output_dir, total_steps, start.step, "distil",
-        {"loss": ".3f", "kd_loss": ".3f"}, cfg.get("progress_bar", True),
+        {"loss": ".3f", "kd_loss": ".3f"}, progress,
         metric_logger=metric_logger,
     )  # fmt: skip
     batches = training.resumable_batches(
         loader, device, cfg.epochs, steps_per_epoch, accumulation, start
     )
+
+    # torchtune's `profiler` section: a trace of a few steps (a no-op when off)
+    profiler = profiling.build_profiler(settings.get("profiler"), output_dir)
+    profiler.start()
 
     # 4. the loop: per micro-batch the student, the teacher (no gradients), the mixed
     # sum over trained tokens and its backward; one optimizer step per `accumulation`
@@ -231,7 +253,10 @@ def train(cfg: DictConfig) -> dict:
             metrics["val_loss"] = training.validation_loss(
                 student, val_loader, device, cfg.get("max_validation_batches"), loss_fn
             )
+        if cfg.get("log_peak_memory_stats", False):
+            metrics.update(training.get_memory_stats(device))
         reporter.report(epoch, metrics)
+        profiler.step()  # the schedule counts optimizer steps
         save_every = cfg.get("save_every_n_steps")
         if save_every and step % save_every == 0 and step < total_steps:
             # the student (a LoRA student: its adapter) and the KL before training
@@ -242,6 +267,7 @@ def train(cfg: DictConfig) -> dict:
             )  # fmt: skip
 
     # 6. the end: the held-out KL again, both in kl_to_teacher.json; the student saved
+    profiler.stop()  # writes a cycle still recording
     history = reporter.close()
     kl_after = training.kl_to_teacher(student, teacher, held_out)
     (output_dir / "kl_to_teacher.json").write_text(
@@ -250,7 +276,7 @@ def train(cfg: DictConfig) -> dict:
     # Hugging Face format; a LoRA student: the merged model and its PEFT adapter
     state = training.epoch_weights(student)
     folder = checkpointer.save_checkpoint(state, epoch=cfg.epochs - 1)
-    print(f"Saved the student in Hugging Face format to {folder}")
+    log.info(f"Saved the student in Hugging Face format to {folder}")
     runs.release_output_dir(output_dir)  # record what the run wrote; drop the lock
     return {
         "history": history,

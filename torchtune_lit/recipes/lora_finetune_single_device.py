@@ -18,6 +18,7 @@ import torchtune_lit.modules.peft as peft
 import torchtune_lit.training as training
 import torchtune_lit.training.metric_logging as metric_logging
 import torchtune_lit.training.preflight as preflight
+import torchtune_lit.training.profiler as profiling
 import torchtune_lit.training.runs as runs
 
 # %% ../../nbs/81_lora_finetune_single_device.ipynb #645f388f
@@ -39,12 +40,26 @@ CONFIG_KEYS = {
         "keep saved activations in CPU memory (GPU only)",
     ),
     "progress_bar": (True, "show a progress bar"),
+    "log_every_n_steps": (
+        1,
+        "a log line (without a progress bar) and metric_logger every N steps",
+    ),
+    "log_level": ("INFO", "level of the recipe's messages: DEBUG, INFO, WARNING"),
+    "log_peak_memory_stats": (True, "add peak memory (GiB) to each step's metrics"),
+    "profiler": (None, "a torch.profiler trace of a few steps (setup_torch_profiler)"),
     "preflight": (True, "check the setup before training (stops on an error)"),
     "metric_logger": (None, "an extra logger component (TensorBoard, W&B, MLflow)"),
     "model": ("required", "the model builder component"),
     "tokenizer": ("required", "the tokenizer component"),
     "dataset": ("required", "the training dataset component"),
     "validation_dataset": (None, "held-out dataset for val_loss and best/"),
+    "dataset_val": (None, "torchtune's name for validation_dataset"),
+    "batch_size_val": (None, "validation batch size (null: batch_size)"),
+    "save_adapter_weights_only": (
+        False,
+        "save only the adapter each epoch (no merged model)",
+    ),
+    "low_cpu_ram": (False, "torchtune's low-memory QLoRA save: true is refused"),
     "checkpointer": ("required", "reads the base weights and writes the outputs"),
     "optimizer": ("required", "the optimizer component"),
     "lr_scheduler": (None, "the learning-rate schedule component"),
@@ -80,8 +95,13 @@ CONFIG_KEYS = {
 # %% ../../nbs/81_lora_finetune_single_device.ipynb #deb51c34
 def train(cfg: DictConfig) -> list[dict]:
     "Run the recipe described by `cfg`; return the metrics of every step it ran."
+    # torchtune's log_level: the recipe's messages through `logging`
+    log = metric_logging.set_log_level(cfg.get("log_level", "INFO"))
+    # the held-out set under our name or torchtune's (dataset_val)
+    val_dataset = cfg.get("validation_dataset") or cfg.get("dataset_val")
+    val_batch_size = cfg.get("batch_size_val") or cfg.get("batch_size")
     # 1. device, dtype, seed, the run folder; the base checkpoint into a LoRA model
-    if cfg.get("early_stopping_patience") and not cfg.get("validation_dataset"):
+    if cfg.get("early_stopping_patience") and not val_dataset:
         raise ValueError(
             "early_stopping_patience needs a validation_dataset to measure; add one "
             "or drop early_stopping_patience."
@@ -115,8 +135,8 @@ def train(cfg: DictConfig) -> list[dict]:
         cfg.get("sanity_check"),
     )  # fmt: skip
     val_loader = training.build_validation_loader(
-        config.instantiate(cfg.get("validation_dataset"), tokenizer),
-        cfg.batch_size,
+        config.instantiate(val_dataset, tokenizer),
+        val_batch_size,
     )  # fmt: skip
     loss_fn = training.prepare_loss(config.instantiate(cfg.get("loss")), model)
     optimizer = training.build_optimizer(
@@ -152,7 +172,7 @@ def train(cfg: DictConfig) -> list[dict]:
     trained = [p for p in model.parameters() if p.requires_grad]
     total = sum(p.numel() for p in model.parameters())
     adapters = sum(p.numel() for p in trained)
-    print(f"Training {adapters:,} adapter parameters of {total:,}.")
+    log.info(f"Training {adapters:,} adapter parameters of {total:,}.")
 
     # 3. resume from the newest step checkpoint's adapters if asked; log and progress
     resumed = None  # the recipe state of the step checkpoint resumed from
@@ -163,14 +183,17 @@ def train(cfg: DictConfig) -> list[dict]:
         lr=OmegaConf.select(cfg, "optimizer.lr"),
     )
     # the optional extra logger (None without one): the config now, every step later
+    # a bar on a terminal; elsewhere a line every log_every_n_steps
+    progress = metric_logging.show_progress(cfg.get("progress_bar", True))
     metric_logger = metric_logging.start_metric_logger(
-        config.instantiate(cfg.get("metric_logger")), settings
+        config.instantiate(cfg.get("metric_logger")), settings,
+        cfg.get("log_every_n_steps", 1), progress, total_steps,
     )
     tracker = runs.RunTracker(
         output_dir, "lora_finetune_single_device", resumed is not None,
         total_steps, start.step,
         cfg.get("keep_last_n_epochs"), cfg.get("early_stopping_patience"),
-        metric_logger, cfg.get("progress_bar", True),
+        metric_logger, progress,
         cfg.get("evaluate_with"),
     )  # fmt: skip
     batches = training.resumable_batches(
@@ -181,6 +204,10 @@ def train(cfg: DictConfig) -> list[dict]:
     if cfg.get("enable_activation_offloading", False):
         # on a CPU it says why it does nothing
         offload = training.OffloadActivations(device)
+
+    # torchtune's `profiler` section: a trace of a few steps (a no-op when off)
+    profiler = profiling.build_profiler(settings.get("profiler"), output_dir)
+    profiler.start()
 
     # 4. the loop: one optimizer step per `accumulation` micro-batches
     step, stopped = start.step, False
@@ -223,8 +250,10 @@ def train(cfg: DictConfig) -> list[dict]:
             metrics["val_loss"] = training.validation_loss(
                 model, val_loader, device, cfg.get("max_validation_batches"), loss_fn
             )
-        metrics.update(training.get_memory_stats(device))
+        if cfg.get("log_peak_memory_stats", True):
+            metrics.update(training.get_memory_stats(device))
         tracker.step(epoch, metrics)
+        profiler.step()  # the schedule counts optimizer steps
         save_every = cfg.get("save_every_n_steps")
         if save_every and step % save_every == 0 and step < total_steps:
             training.save_step_checkpoint(
@@ -235,14 +264,18 @@ def train(cfg: DictConfig) -> list[dict]:
         # 6. the end of an epoch: the merged model and the adapter; validate; best/
         if i + 1 < steps_per_epoch:
             continue
-        folder = checkpointer.save_checkpoint(peft.lora_checkpoint(model), epoch=epoch)
+        folder = checkpointer.save_checkpoint(
+            peft.lora_checkpoint(model), epoch=epoch,
+            adapter_only=cfg.get("save_adapter_weights_only", False),
+        )
         val = None
         if val_loader is not None:
             val = training.validation_loss(model, val_loader, device, loss_fn=loss_fn)
         if tracker.end_epoch(epoch, step, folder, val):  # early stopping says stop
             stopped = True
             break
-    print(tracker.close(stopped))
+    profiler.stop()  # writes a cycle still recording
+    log.info(tracker.close(stopped))
     return tracker.history
 
 # %% ../../nbs/81_lora_finetune_single_device.ipynb #c3ec2a07

@@ -21,6 +21,7 @@ import torchtune_lit.rlhf as rlhf
 import torchtune_lit.rlhf.rewards as rewards
 import torchtune_lit.training as training
 import torchtune_lit.training.metric_logging as metric_logging
+import torchtune_lit.training.profiler as profiling
 import torchtune_lit.training.runs as runs
 
 # %% ../../nbs/8d_ppo_full_finetune_single_device.ipynb #2b8d8a6c
@@ -38,11 +39,21 @@ CONFIG_KEYS = {
     "compile": (False, "torch.compile each layer"),
     "enable_activation_checkpointing": (False, "recompute activations in backward"),
     "progress_bar": (True, "show a progress bar"),
+    "log_every_n_steps": (
+        1,
+        "a log line (without a progress bar) and metric_logger every N steps",
+    ),
+    "log_level": ("INFO", "level of the recipe's messages: DEBUG, INFO, WARNING"),
+    "log_peak_memory_stats": (False, "add peak memory (GiB) to each step's metrics"),
+    "profiler": (None, "a torch.profiler trace of a few steps (setup_torch_profiler)"),
     "metric_logger": (None, "an extra logger component (TensorBoard, W&B, MLflow)"),
     "model": ("required", "the model builder component"),
     "tokenizer": ("required", "the tokenizer component"),
     "dataset": ("required", "the training dataset component"),
     "validation_dataset": (None, "held-out dataset for val_loss and best/"),
+    "dataset_val": (None, "torchtune's name for validation_dataset"),
+    "batch_size_val": (None, "validation batch size (null: batch_size)"),
+    "enable_kv_cache": (True, "torchtune's KV cache: generation here has none"),
     "checkpointer": ("required", "reads the base weights and writes the outputs"),
     "optimizer": (None, "the optimizer component"),
     "lr_scheduler": (None, "the learning-rate schedule component"),
@@ -263,6 +274,11 @@ def ppo_summary(history: list[dict], start: Optional[dict]) -> str:
 def train(cfg: DictConfig) -> dict:
     """Run the recipe; returns the step metrics, the held-out metrics before training,
     the saved folders and the four models."""
+    # torchtune's log_level: the recipe's messages through `logging`
+    log = metric_logging.set_log_level(cfg.get("log_level", "INFO"))
+    # the held-out set under our name or torchtune's (dataset_val)
+    val_dataset = cfg.get("validation_dataset") or cfg.get("dataset_val")
+    val_batch_size = cfg.get("batch_size_val") or cfg.get("batch_size")
     # 1. settings refused early; device, dtype, seed, the run folder; the four models
     check_ppo_settings(cfg)
     config.check_run_values(cfg)
@@ -303,8 +319,8 @@ def train(cfg: DictConfig) -> dict:
         cfg.get("shuffle", True),
     )
     val_loader = training.build_validation_loader(
-        config.instantiate(cfg.get("validation_dataset"), tokenizer),
-        cfg.batch_size, collate_fn=collate,
+        config.instantiate(val_dataset, tokenizer),
+        val_batch_size, collate_fn=collate,
     )  # fmt: skip
     trained = [*policy.parameters(), *value_model.parameters()]
     optimizer = config.instantiate(cfg.optimizer, trained)
@@ -333,19 +349,21 @@ def train(cfg: DictConfig) -> dict:
         start_validation = ppo_validation(
             policy, reward_model, tokenizer, val_loader, cfg.max_new_tokens
         )
-        print(
+        log.info(
             f"validation before step {start.step + 1}: score "
             f"{start_validation['val_score']:.3f}, accuracy "
-            f"{start_validation['val_accuracy']:.1%}",
-            flush=True,
+            f"{start_validation['val_accuracy']:.1%}"
         )
     # the optional extra logger (None without one): the config now, every step later
+    # a bar on a terminal; elsewhere a line every log_every_n_steps
+    progress = metric_logging.show_progress(cfg.get("progress_bar", True))
     metric_logger = metric_logging.start_metric_logger(
-        config.instantiate(cfg.get("metric_logger")), settings
+        config.instantiate(cfg.get("metric_logger")), settings,
+        cfg.get("log_every_n_steps", 1), progress, total_steps,
     )
     reporter = training.StepReporter(
         output_dir, total_steps, start.step, "ppo", {"score": ".3f", "kl": ".3f"},
-        cfg.get("progress_bar", True),
+        progress,
         metric_logger=metric_logger,
     )  # fmt: skip
     val_every = cfg.get("run_val_every_n_steps")
@@ -353,6 +371,10 @@ def train(cfg: DictConfig) -> dict:
         loader, device, cfg.epochs, steps_per_epoch, 1, start
     )
     mini = cfg.get("ppo_batch_size", cfg.batch_size)
+
+    # torchtune's `profiler` section: a trace of a few steps (a no-op when off)
+    profiler = profiling.build_profiler(settings.get("profiler"), output_dir)
+    profiler.start()
 
     # 4. the loop: sample and score a batch of prompts, then `ppo_epochs` passes of
     # shuffled mini-batches, one optimizer step each
@@ -400,7 +422,10 @@ def train(cfg: DictConfig) -> dict:
                     policy, reward_model, tokenizer, val_loader, cfg.max_new_tokens
                 )
             )
+        if cfg.get("log_peak_memory_stats", False):
+            metrics.update(training.get_memory_stats(device))
         reporter.report(epoch, metrics)
+        profiler.step()  # the schedule counts optimizer steps
         save_every = cfg.get("save_every_n_steps")
         if save_every and step % save_every == 0 and step < total_steps:
             weights = {
@@ -413,13 +438,14 @@ def train(cfg: DictConfig) -> dict:
             )  # fmt: skip
 
     # 6. the end: the summary line; the policy and the value model saved
+    profiler.stop()  # writes a cycle still recording
     history = reporter.close()
     if history:
-        print(ppo_summary(history, start_validation), flush=True)
+        log.info(ppo_summary(history, start_validation))
     policy_dir, value_dir = save_final(
         cfg, checkpointer, policy, value_model, output_dir
     )
-    print(f"Saved the policy to {policy_dir} and the value model to {value_dir}")
+    log.info(f"Saved the policy to {policy_dir} and the value model to {value_dir}")
     runs.release_output_dir(output_dir)  # record what the run wrote; drop the lock
     return {
         "history": history, "start": start_validation, "policy_dir": policy_dir,

@@ -19,6 +19,7 @@ import torchtune_lit.datasets as datasets
 import torchtune_lit.training as training
 import torchtune_lit.training.metric_logging as metric_logging
 import torchtune_lit.training.preflight as preflight
+import torchtune_lit.training.profiler as profiling
 import torchtune_lit.training.runs as runs
 
 # %% ../../nbs/8f_qat_distributed.ipynb #90f079a3
@@ -40,12 +41,27 @@ CONFIG_KEYS = {
         "keep saved activations in CPU memory (GPU only)",
     ),
     "progress_bar": (True, "show a progress bar"),
+    "log_every_n_steps": (
+        1,
+        "a log line (without a progress bar) and metric_logger every N steps",
+    ),
+    "log_level": ("INFO", "level of the recipe's messages: DEBUG, INFO, WARNING"),
+    "log_peak_memory_stats": (False, "add peak memory (GiB) to each step's metrics"),
+    "profiler": (None, "a torch.profiler trace of a few steps (setup_torch_profiler)"),
     "metric_logger": (None, "an extra logger component (TensorBoard, W&B, MLflow)"),
     "preflight": (True, "check the setup before training (stops on an error)"),
     "model": ("required", "the model builder component"),
     "tokenizer": ("required", "the tokenizer component"),
     "dataset": ("required", "the training dataset component"),
     "validation_dataset": (None, "held-out dataset for val_loss and best/"),
+    "dataset_val": (None, "torchtune's name for validation_dataset"),
+    "batch_size_val": (None, "validation batch size (null: batch_size)"),
+    "fsdp_cpu_offload": (False, "torchtune's FSDP CPU offload: true is refused"),
+    "custom_sharded_layers": (
+        None,
+        "torchtune's own FSDP units: here embeddings/output go with the root",
+    ),
+    "tensor_parallel_plan": (None, "torchtune's TP plan component (refused: use ours)"),
     "checkpointer": ("required", "reads the base weights and writes the outputs"),
     "optimizer": (None, "the optimizer component"),
     "lr_scheduler": (None, "the learning-rate schedule component"),
@@ -85,6 +101,11 @@ CONFIG_KEYS = {
 def train(cfg: DictConfig) -> list[dict]:
     """Run the sharded full fine-tune with the model prepared for QAT, on every rank;
     rank 0 logs and saves. Returns rank 0's metrics."""
+    # torchtune's log_level: the recipe's messages through `logging`
+    metric_logging.set_log_level(cfg.get("log_level", "INFO"))
+    # the held-out set under our name or torchtune's (dataset_val)
+    val_dataset = cfg.get("validation_dataset") or cfg.get("dataset_val")
+    val_batch_size = cfg.get("batch_size_val") or cfg.get("batch_size")
     # 1. the quantizer (refused without one, or with tensor parallelism); join the group
     if cfg.get("tensor_parallel_dim", 1) > 1:
         raise ValueError(
@@ -133,8 +154,8 @@ def train(cfg: DictConfig) -> list[dict]:
         cfg.get("sanity_check"), data_rank, data_world,
     )  # fmt: skip
     val_loader = training.build_validation_loader(
-        config.instantiate(cfg.get("validation_dataset"), tokenizer),
-        cfg.batch_size, data_rank, data_world,
+        config.instantiate(val_dataset, tokenizer),
+        val_batch_size, data_rank, data_world,
     )  # fmt: skip
     plan = preflight.RunPlan(  # the run's numbers, for the preflight report
         cfg.batch_size, dtype, device, world_size=world_size,
@@ -179,17 +200,24 @@ def train(cfg: DictConfig) -> list[dict]:
     reporter = None
     if rank == 0:
         # the optional extra logger: the config now, every step later
+        # a bar on a terminal; elsewhere a line every log_every_n_steps
+        progress = metric_logging.show_progress(cfg.get("progress_bar", True))
         metric_logger = metric_logging.start_metric_logger(
-            config.instantiate(cfg.get("metric_logger")), settings
+            config.instantiate(cfg.get("metric_logger")), settings,
+            cfg.get("log_every_n_steps", 1), progress, total_steps,
         )
         reporter = training.StepReporter(
             output_dir, total_steps, start.step, "train", {"loss": ".4f", "lr": ".1e"},
-            cfg.get("progress_bar", True), print_steps=True,
+            progress,
             metric_logger=metric_logger,
         )  # fmt: skip
     batches = training.resumable_batches(
         loader, device, cfg.epochs, steps_per_epoch, accumulation, start
     )
+
+    # torchtune's `profiler` section: a trace of a few steps (a no-op when off)
+    profiler = profiling.build_profiler(settings.get("profiler"), output_dir)
+    profiler.start()
 
     # 4. the loop, on every rank: this rank's micro-batches, one step over all ranks
     val_every = cfg.get("run_val_every_n_steps", steps_per_epoch)
@@ -226,8 +254,11 @@ def train(cfg: DictConfig) -> list[dict]:
                 model, val_loader, device, cfg.get("max_validation_batches"), loss_fn,
                 world_size,
             )  # fmt: skip
+        if cfg.get("log_peak_memory_stats", False):
+            metrics.update(training.get_memory_stats(device))
         if reporter is not None:
             reporter.report(epoch, metrics)
+        profiler.step()  # the schedule counts optimizer steps
         save_every = cfg.get("save_every_n_steps")
         if save_every and step % save_every == 0 and step < total_steps:
             training.save_sharded_step(
@@ -236,6 +267,7 @@ def train(cfg: DictConfig) -> list[dict]:
             )  # fmt: skip
 
     # 6. the end: gather the full weights (every rank), rank 0 writes them
+    profiler.stop()  # writes a cycle still recording
     history = reporter.close() if reporter is not None else []
     training.save_final_sharded(model, checkpointer, cfg.epochs - 1, rank)
     dist.barrier()  # no rank leaves while rank 0 is still writing

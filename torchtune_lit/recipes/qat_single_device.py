@@ -17,6 +17,7 @@ import torchtune_lit.datasets as datasets
 import torchtune_lit.training as training
 import torchtune_lit.training.metric_logging as metric_logging
 import torchtune_lit.training.preflight as preflight
+import torchtune_lit.training.profiler as profiling
 import torchtune_lit.training.runs as runs
 
 # %% ../../nbs/8e_qat_single_device.ipynb #05fe6447
@@ -38,12 +39,21 @@ CONFIG_KEYS = {
         "keep saved activations in CPU memory (GPU only)",
     ),
     "progress_bar": (True, "show a progress bar"),
+    "log_every_n_steps": (
+        1,
+        "a log line (without a progress bar) and metric_logger every N steps",
+    ),
+    "log_level": ("INFO", "level of the recipe's messages: DEBUG, INFO, WARNING"),
+    "log_peak_memory_stats": (True, "add peak memory (GiB) to each step's metrics"),
+    "profiler": (None, "a torch.profiler trace of a few steps (setup_torch_profiler)"),
     "preflight": (True, "check the setup before training (stops on an error)"),
     "metric_logger": (None, "an extra logger component (TensorBoard, W&B, MLflow)"),
     "model": ("required", "the model builder component"),
     "tokenizer": ("required", "the tokenizer component"),
     "dataset": ("required", "the training dataset component"),
     "validation_dataset": (None, "held-out dataset for val_loss and best/"),
+    "dataset_val": (None, "torchtune's name for validation_dataset"),
+    "batch_size_val": (None, "validation batch size (null: batch_size)"),
     "checkpointer": ("required", "reads the base weights and writes the outputs"),
     "optimizer": ("required", "the optimizer component"),
     "lr_scheduler": (None, "the learning-rate schedule component"),
@@ -83,13 +93,18 @@ CONFIG_KEYS = {
 # %% ../../nbs/8e_qat_single_device.ipynb #f5f3029d
 def train(cfg: DictConfig) -> list[dict]:
     "Run the recipe described by `cfg`; return the metrics of every step it ran."
+    # torchtune's log_level: the recipe's messages through `logging`
+    log = metric_logging.set_log_level(cfg.get("log_level", "INFO"))
+    # the held-out set under our name or torchtune's (dataset_val)
+    val_dataset = cfg.get("validation_dataset") or cfg.get("dataset_val")
+    val_batch_size = cfg.get("batch_size_val") or cfg.get("batch_size")
     # 1. device, dtype, seed, the run folder; the model loaded, then fake-quantized
     if not cfg.get("quantizer"):
         raise ValueError(
             "qat_single_device needs a quantizer, e.g. quantizer: {_component_: "
             "torchtune_lit.training.quantization.Int8DynActInt4WeightQATQuantizer}."
         )
-    if cfg.get("early_stopping_patience") and not cfg.get("validation_dataset"):
+    if cfg.get("early_stopping_patience") and not val_dataset:
         raise ValueError(
             "early_stopping_patience needs a validation_dataset to measure; add one "
             "or drop early_stopping_patience."
@@ -124,8 +139,8 @@ def train(cfg: DictConfig) -> list[dict]:
         cfg.get("sanity_check"),
     )  # fmt: skip
     val_loader = training.build_validation_loader(
-        config.instantiate(cfg.get("validation_dataset"), tokenizer),
-        cfg.batch_size,
+        config.instantiate(val_dataset, tokenizer),
+        val_batch_size,
     )  # fmt: skip
     loss_fn = training.prepare_loss(config.instantiate(cfg.get("loss")), model)
     optimizer = training.build_optimizer(
@@ -168,14 +183,17 @@ def train(cfg: DictConfig) -> list[dict]:
         lr=OmegaConf.select(cfg, "optimizer.lr"),
     )
     # the optional extra logger (None without one): the config now, every step later
+    # a bar on a terminal; elsewhere a line every log_every_n_steps
+    progress = metric_logging.show_progress(cfg.get("progress_bar", True))
     metric_logger = metric_logging.start_metric_logger(
-        config.instantiate(cfg.get("metric_logger")), settings
+        config.instantiate(cfg.get("metric_logger")), settings,
+        cfg.get("log_every_n_steps", 1), progress, total_steps,
     )
     tracker = runs.RunTracker(
         output_dir, "qat_single_device", resumed is not None,
         total_steps, start.step,
         cfg.get("keep_last_n_epochs"), cfg.get("early_stopping_patience"),
-        metric_logger, cfg.get("progress_bar", True),
+        metric_logger, progress,
         cfg.get("evaluate_with"),
     )  # fmt: skip
     batches = training.resumable_batches(
@@ -187,6 +205,10 @@ def train(cfg: DictConfig) -> list[dict]:
     if cfg.get("enable_activation_offloading", False):
         # on a CPU it says why it does nothing
         offload = training.OffloadActivations(device)
+
+    # torchtune's `profiler` section: a trace of a few steps (a no-op when off)
+    profiler = profiling.build_profiler(settings.get("profiler"), output_dir)
+    profiler.start()
 
     # 4. the loop: one optimizer step per `accumulation` micro-batches
     step, stopped = start.step, False
@@ -229,8 +251,10 @@ def train(cfg: DictConfig) -> list[dict]:
             metrics["val_loss"] = training.validation_loss(
                 model, val_loader, device, cfg.get("max_validation_batches"), loss_fn
             )
-        metrics.update(training.get_memory_stats(device))
+        if cfg.get("log_peak_memory_stats", True):
+            metrics.update(training.get_memory_stats(device))
         tracker.step(epoch, metrics)
+        profiler.step()  # the schedule counts optimizer steps
         save_every = cfg.get("save_every_n_steps")
         if save_every and step % save_every == 0 and step < total_steps:
             training.save_step_checkpoint(
@@ -249,7 +273,8 @@ def train(cfg: DictConfig) -> list[dict]:
         if tracker.end_epoch(epoch, step, folder, val):  # early stopping says stop
             stopped = True
             break
-    print(tracker.close(stopped))
+    profiler.stop()  # writes a cycle still recording
+    log.info(tracker.close(stopped))
     return tracker.history
 
 # %% ../../nbs/8e_qat_single_device.ipynb #710e3807

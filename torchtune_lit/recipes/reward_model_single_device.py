@@ -17,6 +17,7 @@ import torchtune_lit.rlhf as rlhf
 import torchtune_lit.rlhf.preference_parts as preference_parts
 import torchtune_lit.training as training
 import torchtune_lit.training.metric_logging as metric_logging
+import torchtune_lit.training.profiler as profiling
 import torchtune_lit.training.runs as runs
 
 # %% ../../nbs/8c_reward_model_single_device.ipynb #231c12e9
@@ -32,11 +33,20 @@ CONFIG_KEYS = {
     "device": ("required", "cpu, cuda or cuda:N"),
     "dtype": ("required", "fp32 or bf16"),
     "progress_bar": (True, "show a progress bar"),
+    "log_every_n_steps": (
+        1,
+        "a log line (without a progress bar) and metric_logger every N steps",
+    ),
+    "log_level": ("INFO", "level of the recipe's messages: DEBUG, INFO, WARNING"),
+    "log_peak_memory_stats": (False, "add peak memory (GiB) to each step's metrics"),
+    "profiler": (None, "a torch.profiler trace of a few steps (setup_torch_profiler)"),
     "metric_logger": (None, "an extra logger component (TensorBoard, W&B, MLflow)"),
     "model": ("required", "the model builder component"),
     "tokenizer": ("required", "the tokenizer component"),
     "dataset": ("required", "the training dataset component"),
     "validation_dataset": (None, "held-out dataset for val_loss and best/"),
+    "dataset_val": (None, "torchtune's name for validation_dataset"),
+    "batch_size_val": (None, "validation batch size (null: batch_size)"),
     "checkpointer": ("required", "reads the base weights and writes the outputs"),
     "optimizer": (None, "the optimizer component"),
     "lr_scheduler": (None, "the learning-rate schedule component"),
@@ -124,6 +134,11 @@ def reward_validation(
 def train(cfg: DictConfig) -> dict:
     """Run the recipe; returns the step metrics, the held-out metrics before and after
     training (this run's part of it, when resumed), the saved folder and the model."""
+    # torchtune's log_level: the recipe's messages through `logging`
+    log = metric_logging.set_log_level(cfg.get("log_level", "INFO"))
+    # the held-out set under our name or torchtune's (dataset_val)
+    val_dataset = cfg.get("validation_dataset") or cfg.get("dataset_val")
+    val_batch_size = cfg.get("batch_size_val") or cfg.get("batch_size")
     # 1. device, dtype, seed, the run folder; the reward model on the base's body
     config.check_run_values(cfg)
     device = training.get_device(cfg.device)
@@ -144,8 +159,8 @@ def train(cfg: DictConfig) -> dict:
     tokenizer = config.instantiate(cfg.tokenizer)
     loader, val_loader = preference_parts.build_preference_loaders(
         config.instantiate(cfg.dataset, tokenizer),
-        config.instantiate(cfg.get("validation_dataset"), tokenizer),
-        cfg.batch_size, cfg.seed, cfg.get("shuffle", True), cfg.get("sanity_check"),
+        config.instantiate(val_dataset, tokenizer),
+        val_batch_size, cfg.seed, cfg.get("shuffle", True), cfg.get("sanity_check"),
     )  # fmt: skip
     optimizer = config.instantiate(cfg.optimizer, model.parameters())
     accumulation, steps_per_epoch, total_steps = training.training_schedule(
@@ -168,7 +183,7 @@ def train(cfg: DictConfig) -> dict:
         weights = rlhf.reward_model_state_dict(folder)
         training.load_model_state_dict(model, weights)
         state = training.load_recipe_state(folder)
-        print(f"Resuming from {folder}")
+        log.info(f"Resuming from {folder}")
     start = training.resume_position(  # a changed optimizer.lr is taken, and said
         state, optimizer, lr_scheduler, output_dir / "log.jsonl",
         lr=OmegaConf.select(cfg, "optimizer.lr"),
@@ -177,12 +192,15 @@ def train(cfg: DictConfig) -> dict:
     if val_loader is not None:
         before = reward_validation(model, val_loader, device)
     # the optional extra logger (None without one): the config now, every step later
+    # a bar on a terminal; elsewhere a line every log_every_n_steps
+    progress = metric_logging.show_progress(cfg.get("progress_bar", True))
     metric_logger = metric_logging.start_metric_logger(
-        config.instantiate(cfg.get("metric_logger")), settings
+        config.instantiate(cfg.get("metric_logger")), settings,
+        cfg.get("log_every_n_steps", 1), progress, total_steps,
     )
     reporter = training.StepReporter(
         output_dir, total_steps, start.step, "reward",
-        {"loss": ".4f", "accuracy": ".2f"}, cfg.get("progress_bar", True),
+        {"loss": ".4f", "accuracy": ".2f"}, progress,
         metric_logger=metric_logger,
     )  # fmt: skip
     val_every = cfg.get("run_val_every_n_steps", steps_per_epoch)
@@ -190,6 +208,10 @@ def train(cfg: DictConfig) -> dict:
         loader, device, cfg.epochs, steps_per_epoch, accumulation, start
     )
     trained = [p for p in model.parameters() if p.requires_grad]
+
+    # torchtune's `profiler` section: a trace of a few steps (a no-op when off)
+    profiler = profiling.build_profiler(settings.get("profiler"), output_dir)
+    profiler.start()
 
     # 4. the loop: the Bradley-Terry loss summed over the pairs, one step per
     # `accumulation` micro-batches
@@ -220,7 +242,10 @@ def train(cfg: DictConfig) -> dict:
         # 5. validate every so many steps; log; a step checkpoint every so many steps
         if val_loader is not None and step % val_every == 0:
             metrics.update(reward_validation(model, val_loader, device))
+        if cfg.get("log_peak_memory_stats", False):
+            metrics.update(training.get_memory_stats(device))
         reporter.report(epoch, metrics)
+        profiler.step()  # the schedule counts optimizer steps
         save_every = cfg.get("save_every_n_steps")
         if save_every and step % save_every == 0 and step < total_steps:
             # a sequence classifier with the recipe state, in one atomic folder move
@@ -236,6 +261,7 @@ def train(cfg: DictConfig) -> dict:
             )
 
     # 6. the end: the held-out metrics after, and the Hugging Face sequence classifier
+    profiler.stop()  # writes a cycle still recording
     history = reporter.close()
     after = None
     if val_loader is not None:
@@ -246,12 +272,12 @@ def train(cfg: DictConfig) -> dict:
         support_files=checkpointer.checkpoint_dir,
     )  # fmt: skip
     if before is not None:
-        print(
+        log.info(
             f"Held-out pair accuracy {before['val_accuracy']:.2f} -> "
             f"{after['val_accuracy']:.2f} (loss {before['val_loss']:.4f} -> "
             f"{after['val_loss']:.4f})"
         )
-    print(f"Saved the reward model (Hugging Face sequence classifier) to {folder}")
+    log.info(f"Saved the reward model (Hugging Face sequence classifier) to {folder}")
     runs.release_output_dir(output_dir)  # record what the run wrote; drop the lock
     return {
         "history": history,

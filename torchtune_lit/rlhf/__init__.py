@@ -5,9 +5,9 @@
 # %% auto #0
 __all__ = ['CROSS_ENTROPY_IGNORE_IDX', 'get_batch_log_probs', 'ChosenRejectedOutputs', 'concatenated_forward',
            'mismatched_completions', 'Rollout', 'completion_log_probs', 'group_advantages', 'sample_groups',
-           'estimate_advantages', 'get_rewards_ppo', 'masked_mean', 'masked_whiten', 'token_values',
-           'bradley_terry_loss', 'reward_model_state_dict', 'save_reward_model', 'sequence_scores', 'tiny_llama_reward',
-           'with_score_head']
+           'estimate_advantages', 'get_rewards_ppo', 'masked_mean', 'masked_sum', 'masked_var', 'masked_whiten',
+           'token_values', 'truncate_sequence_at_first_stop_token', 'whiten', 'bradley_terry_loss',
+           'reward_model_state_dict', 'save_reward_model', 'sequence_scores', 'tiny_llama_reward', 'with_score_head']
 
 # %% ../../nbs/62_rlhf.ipynb #15eecfd1
 from dataclasses import dataclass
@@ -135,8 +135,12 @@ from torchtune_lit.rlhf._ppo import (
     estimate_advantages,
     get_rewards_ppo,
     masked_mean,
+    masked_sum,
+    masked_var,
     masked_whiten,
     token_values,
+    truncate_sequence_at_first_stop_token,
+    whiten,
 )
 from torchtune_lit.rlhf._reward import (
     bradley_terry_loss,
@@ -155,8 +159,12 @@ _all_ = [
     "estimate_advantages",
     "get_rewards_ppo",
     "masked_mean",
+    "masked_sum",
+    "masked_var",
     "masked_whiten",
     "token_values",
+    "truncate_sequence_at_first_stop_token",
+    "whiten",
     "bradley_terry_loss",
     "reward_model_state_dict",
     "save_reward_model",

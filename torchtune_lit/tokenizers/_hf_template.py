@@ -184,6 +184,7 @@ class HuggingFaceModelTokenizer:
         tokenizer_json_path: Union[str, Path],
         *,
         tokenizer_config_json_path: Optional[Union[str, Path]] = None,
+        generation_config_path: Optional[Union[str, Path]] = None,
         max_seq_len: Optional[int] = None,
         chat_template: Optional[str] = None,
         template_kwargs: Optional[dict] = None,
@@ -195,7 +196,9 @@ class HuggingFaceModelTokenizer:
         )
         config = json.loads(config_path.read_text()) if config_path.is_file() else {}
         self.base = HuggingFaceBaseTokenizer(
-            path, tokenizer_config_json_path=config_path
+            path,
+            tokenizer_config_json_path=config_path,
+            generation_config_path=generation_config_path,
         )
         self.template = compile_chat_template(
             chat_template or _template_text(config, config_path)
@@ -227,7 +230,7 @@ class HuggingFaceModelTokenizer:
     ) -> tuple[list[int], list[bool]]:
         "(tokens, mask) of a conversation; mask[i]: token i is not trained on."
         validate_messages(messages)
-        turns = [{"role": m.role, "content": m.content} for m in messages]
+        turns = [{"role": m.role, "content": m.text_content} for m in messages]
         text = self.render(turns, add_generation_prompt)
         if _dropped_system(turns, text) and not self._warned_dropped_system:
             self._warned_dropped_system = True  # once per tokenizer

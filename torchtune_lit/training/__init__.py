@@ -16,7 +16,11 @@ __all__ = ['memory', 'OffloadActivations', 'compile_loss', 'compile_model', 'est
            'lr_schedulers', 'make_recipe_state', 'prune_step_checkpoints', 'read_jsonl', 'restore_rng_state',
            'restore_training_state', 'resume_position', 'resume_state', 'save_run_config', 'scale_grads', 'set_seed',
            'shift_labels', 'summed_cross_entropy', 'training_schedule', 'truncate_log', 'validation_loss', 'runs',
-           'atomic', 'claim_output_dir']
+           'atomic', 'claim_output_dir', 'FullModelMetaCheckpointer', 'FullModelTorchTuneCheckpointer',
+           'FormattedCheckpointFiles', 'get_cosine_schedule_with_warmup', 'get_lr', 'setup_torch_profiler',
+           'disable_dropout', 'get_unmasked_sequence_lengths', 'set_default_dtype', 'validate_expected_param_dtype',
+           'verify_bf16_support', 'create_optim_in_bwd_wrapper', 'OptimizerInBackwardWrapper',
+           'register_optim_in_bwd_hooks']
 
 # %% ../../nbs/79_training_map.ipynb #7132ef91
 from torchtune_lit.training import (
@@ -29,7 +33,10 @@ from torchtune_lit.training import (
 )
 from torchtune_lit.training.checkpointing import (
            CheckpointError,
+           FormattedCheckpointFiles,
            FullModelHFCheckpointer,
+           FullModelMetaCheckpointer,
+           FullModelTorchTuneCheckpointer,
            load_lora_model,
            load_model,
            load_model_for_eval,
@@ -55,11 +62,18 @@ from torchtune_lit.training.distributed import (
            save_final_sharded,
            save_sharded_step,
 )
+from torchtune_lit.training.lr_schedulers import (
+           get_cosine_schedule_with_warmup,
+           get_lr,
+)
 from torchtune_lit.training.memory import (
            OffloadActivations,
+           OptimizerInBackwardWrapper,
            compile_loss,
            compile_model,
+           create_optim_in_bwd_wrapper,
            estimate_training_memory,
+           register_optim_in_bwd_hooks,
            set_activation_checkpointing,
 )
 from torchtune_lit.training.metric_logging import (
@@ -89,10 +103,15 @@ from torchtune_lit.training.run_setup import (
            DTYPES,
            SLOW_CPU_BF16,
            cpu_bf16_slowdown,
+           disable_dropout,
            get_device,
            get_dtype,
+           get_unmasked_sequence_lengths,
            save_run_config,
+           set_default_dtype,
            set_seed,
+           validate_expected_param_dtype,
+           verify_bf16_support,
 )
 from torchtune_lit.training.sharding import (
            device_mesh,
@@ -116,6 +135,7 @@ from torchtune_lit.training.steps import (
            validation_loss,
 )
 
+from .profiler import setup_torch_profiler
 from .runs import claim_output_dir
 
 # %% ../../nbs/79_training_map.ipynb #4eac60fb
@@ -190,4 +210,18 @@ _all_ = [
     "runs",
     "atomic",
     "claim_output_dir",
+    "FullModelMetaCheckpointer",
+    "FullModelTorchTuneCheckpointer",
+    "FormattedCheckpointFiles",
+    "get_cosine_schedule_with_warmup",
+    "get_lr",
+    "setup_torch_profiler",
+    "disable_dropout",
+    "get_unmasked_sequence_lengths",
+    "set_default_dtype",
+    "validate_expected_param_dtype",
+    "verify_bf16_support",
+    "create_optim_in_bwd_wrapper",
+    "OptimizerInBackwardWrapper",
+    "register_optim_in_bwd_hooks",
 ]

@@ -58,6 +58,12 @@ def build_losses(
             "the config has no kd_loss; add one, e.g. kd_loss: {_component_: "
             "torchtune_lit.modules.loss.ForwardKLWithChunkedOutputLoss}"
         )
+    if hasattr(loss_fn, "set_model_output"):  # LinearCrossEntropyLoss
+        raise ValueError(
+            f"loss {type(loss_fn).__name__} makes the student return hidden states, "
+            "but kd_loss needs its logits; use loss: {_component_: torchtune_lit."
+            "modules.loss.CEWithChunkedOutputLoss} in distillation."
+        )
     loss_fn = steps.prepare_loss(loss_fn, student)  # chunks the student's logits
     ce_chunks = getattr(loss_fn, "num_output_chunks", 0)
     kd_chunks = getattr(kd_loss_fn, "num_output_chunks", 0)

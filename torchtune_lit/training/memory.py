@@ -5,12 +5,13 @@
 # %% auto #0
 __all__ = ['NF4_BITS_PER_PARAM', 'LOW_BIT_STATES', 'layer_activation_bytes_per_token', 'MemoryEstimate', 'optimizer_state_bytes',
            'estimate_training_memory', 'set_activation_checkpointing', 'OffloadActivations', 'compile_model',
-           'compile_loss', 'OptimizerInBackward', 'PeakMemory', 'measure_step_peak']
+           'compile_loss', 'OptimizerInBackward', 'register_optim_in_bwd_hooks', 'OptimizerInBackwardWrapper',
+           'create_optim_in_bwd_wrapper', 'PeakMemory', 'measure_step_peak']
 
 # %% ../../nbs/76_memory.ipynb #020ef2f4
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 from torch import nn
@@ -255,28 +256,44 @@ def _default_policy() -> tuple[type, ...]:
 
 
 def set_activation_checkpointing(
-    model: nn.Module, auto_wrap_policy: Optional[Iterable[type]] = None
+    model: nn.Module,
+    auto_wrap_policy: Union[Iterable[type], Callable[..., bool], None] = None,
 ) -> int:
     """Recompute every module of a class in `auto_wrap_policy` (default: the decoder
-    layer) in backward instead of keeping its activations. Parameter names are
-    unchanged. Returns how many modules were wrapped.
+    layer), or every module for which a callable policy `policy(module=,
+    recurse=False, nonwrapped_numel=)` (FSDP's form) says True, in backward instead of
+    keeping its activations. Parameter names are unchanged. Returns how many modules
+    were wrapped.
     """
-    policy = (
-        tuple(auto_wrap_policy) if auto_wrap_policy is not None else _default_policy()
-    )
+    if callable(auto_wrap_policy) and not isinstance(auto_wrap_policy, type):
+        policy = auto_wrap_policy
+
+        def selected(module: nn.Module) -> bool:
+            numel = sum(p.numel() for p in module.parameters())
+            return policy(module=module, recurse=False, nonwrapped_numel=numel)
+
+        wanted = "selected by the auto_wrap_policy function"
+    else:
+        classes = (
+            tuple(auto_wrap_policy)
+            if auto_wrap_policy is not None
+            else _default_policy()
+        )
+
+        def selected(module: nn.Module) -> bool:
+            return isinstance(module, classes)
+
+        wanted = f"of {[c.__name__ for c in classes]}"
     wrapped = 0
     for module in model.modules():
-        if isinstance(module, policy) and not getattr(
-            module, "_activation_checkpointed", False
-        ):
+        if selected(module) and not getattr(module, "_activation_checkpointed", False):
             module.forward = _partial_forward(module.forward)
             module._activation_checkpointed = True
             wrapped += 1
     if wrapped == 0:
         raise ValueError(
-            "set_activation_checkpointing found no module of "
-            f"{[c.__name__ for c in policy]} in the model; pass auto_wrap_policy "
-            "with the model's layer class."
+            f"set_activation_checkpointing found no module {wanted} in the model; "
+            "pass auto_wrap_policy with the model's layer class."
         )
     return wrapped
 
@@ -411,6 +428,57 @@ class OptimizerInBackward(torch.optim.Optimizer):
         self.param_groups = [
             group for opt in self.optimizers.values() for group in opt.param_groups
         ]
+
+# %% ../../nbs/76_memory.ipynb #c4721370
+def register_optim_in_bwd_hooks(
+    model: nn.Module, optim_dict: dict[nn.Parameter, torch.optim.Optimizer]
+) -> None:
+    "Step `optim_dict[p]` and free p's gradient as soon as that gradient is complete."
+    for p in model.parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(
+                OptimizerInBackward._hook(optim_dict[p])
+            )
+
+
+class OptimizerInBackwardWrapper:
+    """The per-parameter optimizers of `optim_dict` by parameter name (`optim_map`),
+    with one state dict for checkpoints."""
+
+    def __init__(
+        self, model: nn.Module, optim_dict: dict[nn.Parameter, torch.optim.Optimizer]
+    ) -> None:
+        named = model.named_parameters()
+        self.optim_map = {name: optim_dict[p] for name, p in named if p in optim_dict}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: opt.state_dict() for name, opt in self.optim_map.items()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        unexpected = sorted(state_dict.keys() - self.optim_map.keys())
+        if unexpected:
+            raise RuntimeError(
+                f"found unexpected param {unexpected[0]} in the optimizer state: it "
+                "was saved for another model."
+            )
+        for name, opt in self.optim_map.items():
+            if name not in state_dict:
+                raise RuntimeError(
+                    f"Expected to load optimizer state for parameter {name}, but the "
+                    "saved state has none: it was saved for another model."
+                )
+            opt.load_state_dict(state_dict[name])
+
+    def get_optim_key(self, key: str) -> Any:
+        "The value of `key` in the first optimizer's first parameter group (the rate)."
+        return next(iter(self.optim_map.values())).param_groups[0][key]
+
+
+def create_optim_in_bwd_wrapper(
+    model: nn.Module, optim_dict: dict[nn.Parameter, torch.optim.Optimizer]
+) -> OptimizerInBackwardWrapper:
+    "torchtune's name: `OptimizerInBackwardWrapper(model, optim_dict)`."
+    return OptimizerInBackwardWrapper(model, optim_dict)
 
 # %% ../../nbs/76_memory.ipynb #8b475ae8
 class PeakMemory(TorchDispatchMode):

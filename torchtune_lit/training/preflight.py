@@ -70,7 +70,7 @@ def _scan_samples(
     max_len = getattr(tokenizer, "max_seq_len", None)
     for i in range(n):
         sample = dataset[i]
-        labels = sample["labels"]
+        labels = [int(label) for label in sample["labels"]]  # a list or a tensor
         lengths.append(len(sample["tokens"]))
         t = sum(l != CROSS_ENTROPY_IGNORE_IDX for l in labels)
         trained, total, empty = trained + t, total + len(labels), empty + (t == 0)
@@ -89,7 +89,7 @@ def _scan_samples(
                 leaked += sum(
                     1 for m in messages if m.role in ("user", "system") and not m.masked
                 )
-            answers = [m.content for m in messages if m.role == "assistant"]
+            answers = [m.text_content for m in messages if m.role == "assistant"]
             empty_answers += bool(answers) and not any(a.strip() for a in answers)
     return lengths, trained, total, empty, leaked, truncated, empty_answers
 

@@ -4,18 +4,26 @@
 
 # %% auto #0
 __all__ = ['DTYPES', 'SLOW_CPU_BF16', 'cpu_bf16_slowdown', 'warn_if_slow_cpu_bf16', 'get_device', 'get_dtype', 'set_seed',
-           'save_run_config']
+           'set_default_dtype', 'validate_expected_param_dtype', 'verify_bf16_support', 'disable_dropout',
+           'get_unmasked_sequence_lengths', 'save_run_config']
 
 # %% ../../nbs/71_run_setup.ipynb #170822f5
+import contextlib
 import functools
 import math
+import os
 import random
 import time
+import warnings
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Optional, Union
 
+import numpy as np
 import torch
+import torch.distributed as dist
 from omegaconf import OmegaConf
+from torch import nn
 
 from .atomic import atomic_write_text
 from .runs import check_resume_config
@@ -76,12 +84,17 @@ def get_device(name: str = "cpu") -> torch.device:
     return device
 
 
-def get_dtype(name: str = "fp32", device: Optional[torch.device] = None) -> torch.dtype:
-    """The parameter dtype for 'fp32' or 'bf16'. bf16 on a GPU without bf16 support
-    (before Ampere) falls back to fp32 with a message saying so — the run still works,
-    at twice the weight memory. bf16 on a CPU that must emulate it is kept, with a
-    warning that gives the measured slowdown.
+def get_dtype(
+    name: Union[str, torch.dtype, None] = "fp32", device: Optional[torch.device] = None
+) -> torch.dtype:
+    """The parameter dtype for 'fp32' or 'bf16' (None: fp32; a torch dtype of the two
+    is taken as its name). bf16 on a GPU without bf16 support (before Ampere) falls
+    back to fp32 with a message saying so — the run still works, at twice the weight
+    memory. bf16 on a CPU that must emulate it is kept, with a warning that gives the
+    measured slowdown.
     """
+    names = {dtype: key for key, dtype in DTYPES.items()}
+    name = "fp32" if name is None else names.get(name, name)
     if name not in DTYPES:
         raise ValueError(
             f"dtype={name!r} is not supported; use one of {sorted(DTYPES)}."
@@ -107,13 +120,90 @@ def get_dtype(name: str = "fp32", device: Optional[torch.device] = None) -> torc
     return DTYPES[name]
 
 # %% ../../nbs/71_run_setup.ipynb #3bcb03c4
-def set_seed(seed: int) -> torch.Generator:
-    """Seed Python and torch; return a torch Generator seeded the same way (for code
-    that draws its own samples).
+def _set_deterministic(debug_mode: Union[str, int]) -> None:
+    "torch's deterministic-algorithms mode `debug_mode`, and cuDNN and cuBLAS to match."
+    torch.set_deterministic_debug_mode(debug_mode)
+    deterministic = torch.get_deterministic_debug_mode() != 0
+    torch.backends.cudnn.deterministic = deterministic
+    torch.backends.cudnn.benchmark = not deterministic
+    if deterministic:
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+
+
+def set_seed(
+    seed: Optional[int] = None, debug_mode: Optional[Union[str, int]] = None
+) -> int:
+    """Seed Python, NumPy and torch with `seed` (None: a random one, rank 0's under
+    torchrun) and return it; `debug_mode` sets torch's deterministic algorithms.
     """
+    largest = 2**32 - 1
+    if seed is None:
+        drawn = [int(torch.randint(0, largest, (1,)))]
+        if dist.is_available() and dist.is_initialized():
+            dist.broadcast_object_list(drawn, src=0)
+        seed = drawn[0]
+    if not 0 <= seed <= largest:
+        raise ValueError(
+            f"Invalid seed value provided: {seed}; use a whole number in [0, "
+            f"{largest}]."
+        )
     random.seed(seed)
+    np.random.seed(seed)
     torch.manual_seed(seed)
-    return torch.Generator().manual_seed(seed)
+    if debug_mode is not None:
+        _set_deterministic(debug_mode)
+    return seed
+
+# %% ../../nbs/71_run_setup.ipynb #3efd163d
+@contextlib.contextmanager
+def set_default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    "Make `dtype` torch's default floating dtype inside the `with` block."
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def validate_expected_param_dtype(
+    named_params: Iterable[tuple[str, torch.Tensor]],
+    dtype: torch.dtype,
+    exclude_param_names: Optional[list[str]] = None,
+) -> None:
+    "Refuse the first parameter (not excluded) whose dtype is not `dtype`."
+    excluded = set(exclude_param_names or ())
+    for name, param in named_params:
+        if name not in excluded and param.dtype != dtype:
+            raise ValueError(
+                f"Parameter {name} has dtype {param.dtype}, but expected {dtype}: "
+                "convert the model (model.to(dtype)) or the checkpoint."
+            )
+
+
+def verify_bf16_support() -> bool:
+    "Whether the accelerator has bf16 kernels: CUDA from Ampere on, or Apple's MPS."
+    cuda = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    return cuda or torch.backends.mps.is_available()
+
+
+def disable_dropout(model: nn.Module) -> None:
+    "Set every dropout probability in `model` to 0, warning for each that was not."
+    for module in model.modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p != 0:
+            warnings.warn(
+                f"Found Dropout with p={module.p} in {type(model).__name__}: set to 0 "
+                "so that the same tokens score the same twice.",
+                stacklevel=2,
+            )
+            module.p = 0.0
+
+
+def get_unmasked_sequence_lengths(mask: torch.Tensor) -> torch.Tensor:
+    """The index of each row's last unmasked position in `mask` [b, s] (True at
+    padding); 0 for a row with none.
+    """
+    return (~mask).cumsum(dim=-1).argmax(dim=-1)
 
 # %% ../../nbs/71_run_setup.ipynb #f614786d
 def save_run_config(

@@ -863,7 +863,13 @@ REWARD_KEYS = (
 def plot_run(output_dir: Union[str, Path], path: Optional[Union[str, Path]] = None):
     """Draw the run's loss curves (and reward curves, if logged) to a PNG; return its
     path."""
-    from matplotlib.figure import Figure  # no pyplot: the caller's backend is untouched
+    try:
+        from matplotlib.figure import Figure  # no pyplot: the caller's backend is kept
+    except ImportError:
+        raise ImportError(
+            "tunelit plot draws with matplotlib, which is not installed: "
+            "pip install 'torchtune_lit[plot]' (or pip install matplotlib)."
+        ) from None
 
     folder = Path(output_dir)
     steps = read_log(folder)

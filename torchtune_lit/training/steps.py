@@ -119,14 +119,24 @@ def summed_cross_entropy(
 # %% ../../nbs/71d_steps.ipynb #9d5de341
 def prepare_loss(loss_fn: Optional[nn.Module], model: nn.Module) -> nn.Module:
     """The recipe's `loss` component (None when its config has none: refused), ready
-    for `model`: a chunked loss makes the model return its logits in
-    `num_output_chunks` chunks.
+    for `model`: a loss with `set_model_output` (the fused `LinearCrossEntropyLoss`)
+    takes the model's output projection, so the model returns hidden states; a chunked
+    loss makes the model return its logits in `num_output_chunks` chunks.
     """
     if loss_fn is None:
         raise ValueError(
             "the config has no loss; add one, e.g. loss: {_component_: "
             "torchtune_lit.modules.loss.CEWithChunkedOutputLoss}"
         )
+    if hasattr(loss_fn, "set_model_output"):
+        if not hasattr(model, "output"):
+            raise ValueError(
+                f"{type(loss_fn).__name__} takes the model's output layer, but "
+                f"{type(model).__name__} has no `output`; use "
+                "loss._component_=torch.nn.CrossEntropyLoss for this model."
+            )
+        loss_fn.set_model_output(model)
+        return loss_fn
     chunks = getattr(loss_fn, "num_output_chunks", 0)
     if chunks and not hasattr(model, "set_num_output_chunks"):
         raise ValueError(

@@ -71,8 +71,8 @@ def llama3_70b() -> TransformerDecoder:
 # %% ../../../nbs/21_llama3.ipynb #45578e35
 from ...modules.peft import lora_builder
 
-# the family's tokenizer (chat formats chapter)
-from ...tokenizers import llama3_tokenizer
+# the family's tokenizer and its pre-tokenizer pattern (chat formats chapter)
+from ...tokenizers import CL100K_PATTERN, llama3_tokenizer
 
 lora_llama3 = lora_builder(llama3, "lora_llama3")
 lora_llama3_8b = lora_builder(llama3_8b, "lora_llama3_8b")

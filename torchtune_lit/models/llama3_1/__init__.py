@@ -4,7 +4,8 @@
 
 # %% auto #0
 __all__ = ['LLAMA3_1_SIZES', 'lora_llama3_1', 'lora_llama3_1_8b', 'qlora_llama3_1_8b', 'lora_llama3_1_70b', 'qlora_llama3_1_70b',
-           'lora_llama3_1_405b', 'qlora_llama3_1_405b', 'llama3_1', 'llama3_1_8b', 'llama3_1_70b', 'llama3_1_405b']
+           'lora_llama3_1_405b', 'qlora_llama3_1_405b', 'llama3_1', 'llama3_1_8b', 'llama3_1_70b', 'llama3_1_405b',
+           'Llama3ScaledRoPE']
 
 # %% ../../../nbs/22_llama3_1.ipynb #f4f37a89
 from typing import Optional
@@ -107,3 +108,8 @@ lora_llama3_1_405b = lora_builder(llama3_1_405b, "lora_llama3_1_405b")
 qlora_llama3_1_405b = lora_builder(
     llama3_1_405b, "qlora_llama3_1_405b", quantize_base=True
 )
+
+# %% ../../../nbs/22_llama3_1.ipynb #5f0ce094
+from ...modules.position_embeddings import Llama3ScaledRoPE
+
+_all_ = ["Llama3ScaledRoPE"]

@@ -5,8 +5,9 @@
 # %% auto #0
 __all__ = ['MISTRAL_SIZES', 'lora_mistral', 'lora_mistral_7b', 'qlora_mistral_7b', 'lora_mistral_7b_v0_3',
            'qlora_mistral_7b_v0_3', 'lora_mistral_nemo_12b', 'qlora_mistral_nemo_12b', 'lora_mistral_small_24b',
-           'qlora_mistral_small_24b', 'mistral', 'mistral_7b', 'mistral_7b_v0_3', 'mistral_nemo_12b',
-           'mistral_small_24b']
+           'qlora_mistral_small_24b', 'lora_mistral_classifier', 'lora_mistral_reward_7b', 'qlora_mistral_reward_7b',
+           'mistral', 'mistral_7b', 'mistral_7b_v0_3', 'mistral_nemo_12b', 'mistral_small_24b', 'mistral_classifier',
+           'mistral_reward_7b']
 
 # %% ../../../nbs/26_mistral.ipynb #b5313e61
 from typing import Optional
@@ -108,4 +109,42 @@ qlora_mistral_nemo_12b = lora_builder(
 lora_mistral_small_24b = lora_builder(mistral_small_24b, "lora_mistral_small_24b")
 qlora_mistral_small_24b = lora_builder(
     mistral_small_24b, "qlora_mistral_small_24b", quantize_base=True
+)
+
+# %% ../../../nbs/26_mistral.ipynb #7758a963
+from torch import nn
+
+def mistral_classifier(
+    num_classes: int,
+    *,
+    vocab_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    embed_dim: int,
+    intermediate_dim: int,
+    max_seq_len: int,
+    head_dim: Optional[int] = None,
+    attn_dropout: float = 0.0,
+    norm_eps: float = 1e-5,
+    rope_base: float = 10_000,
+    sliding_window: Optional[int] = None,
+) -> TransformerDecoder:
+    """`mistral(...)` whose output projection gives `num_classes` scores per position
+    (a reward or value model) instead of vocabulary logits."""
+    arguments = {k: v for k, v in locals().items() if k != "num_classes"}
+    model = mistral(**arguments)
+    model.output = nn.Linear(embed_dim, num_classes, bias=False)
+    return model
+
+
+def mistral_reward_7b() -> TransformerDecoder:
+    "Mistral 7B (v0.1) with a one-score head: a reward model."
+    return mistral_classifier(num_classes=1, **MISTRAL_SIZES["mistral_7b"])
+
+
+lora_mistral_classifier = lora_builder(mistral_classifier, "lora_mistral_classifier")
+lora_mistral_reward_7b = lora_builder(mistral_reward_7b, "lora_mistral_reward_7b")
+qlora_mistral_reward_7b = lora_builder(
+    mistral_reward_7b, "qlora_mistral_reward_7b", quantize_base=True
 )

@@ -4,11 +4,15 @@
 
 # %% auto #0
 __all__ = ['PHI4_SIZES', 'lora_phi4_14b', 'qlora_phi4_14b', 'PHI4_MINI_LONG_FACTOR', 'lora_phi4_mini', 'qlora_phi4_mini',
-           'phi4_14b', 'phi4_mini']
+           'phi4_14b', 'phi4_mini', 'phi4_tokenizer']
 
 # %% ../../../nbs/33b_phi4.ipynb #a4e80bcc
+from pathlib import Path
+from typing import Optional, Union
+
 from ...modules.peft import lora_builder
 from ...modules.transformer import TransformerDecoder
+from ...tokenizers import HuggingFaceModelTokenizer
 from ..phi3 import phi3
 
 # %% ../../../nbs/33b_phi4.ipynb #b259a005
@@ -65,3 +69,36 @@ def phi4_mini() -> TransformerDecoder:
 
 lora_phi4_mini = lora_builder(phi4_mini, "lora_phi4_mini")
 qlora_phi4_mini = lora_builder(phi4_mini, "qlora_phi4_mini", quantize_base=True)
+
+# %% ../../../nbs/33b_phi4.ipynb #phi4tok2
+def phi4_tokenizer(
+    vocab_path: Optional[Union[str, Path]] = None,
+    merges_path: Optional[Union[str, Path]] = None,
+    special_tokens_path: Optional[Union[str, Path]] = None,
+    max_seq_len: Optional[int] = None,
+    prompt_template: None = None,
+    truncation_type: str = "right",
+    path: Optional[Union[str, Path]] = None,
+) -> HuggingFaceModelTokenizer:
+    """Phi-4's tokenizer with its own chat template, from the checkpoint's
+    `tokenizer.json` (`path`, or `special_tokens_path`, or the one beside torchtune's
+    `vocab_path` / `merges_path`)."""
+    given = path or special_tokens_path or vocab_path or merges_path
+    if given is None:
+        raise ValueError("phi4_tokenizer needs the checkpoint's tokenizer.json (path=...).")
+    tokenizer_json = Path(given)
+    if tokenizer_json.name != "tokenizer.json":
+        tokenizer_json = tokenizer_json.parent / "tokenizer.json"
+    if not tokenizer_json.is_file():
+        raise FileNotFoundError(
+            f"{tokenizer_json.parent} has no tokenizer.json: download the checkpoint's "
+            "tokenizer.json and tokenizer_config.json too (they hold Phi-4's special "
+            "tokens and chat template)."
+        )
+    if prompt_template is not None or truncation_type != "right":
+        raise ValueError(
+            "phi4_tokenizer formats chats with the checkpoint's own template and "
+            "truncates on the right: leave prompt_template null and truncation_type "
+            "'right'."
+        )
+    return HuggingFaceModelTokenizer(tokenizer_json, max_seq_len=max_seq_len)

@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .ce_chunked_output_loss import split_like
+
 # %% ../../../nbs/61_kd_losses.ipynb #23529ed8
 def _masked_mean(
     per_token: torch.Tensor, labels: torch.Tensor, ignore_index: int, normalize: bool
@@ -145,14 +147,14 @@ class _ChunkedKD(nn.Module):
         teacher_logits: list[torch.Tensor],
         labels: torch.Tensor,
     ) -> torch.Tensor:
-        # as many chunks as torch.chunk makes of the labels (7 of 8 for 41 positions)
-        label_chunks = labels.chunk(self.num_output_chunks, dim=1)
-        if not len(student_logits) == len(teacher_logits) == len(label_chunks):
+        if len(student_logits) != len(teacher_logits):
             raise ValueError(
                 f"expected {self.num_output_chunks} student and teacher "
                 f"chunks, got {len(student_logits)} and {len(teacher_logits)}: call "
                 "set_num_output_chunks on both models."
             )
+        # cut where the model cut: torch.chunk (7 of 8 for 41) or tensor_split
+        label_chunks = split_like(labels, student_logits, self.num_output_chunks)
         total = sum(
             self.loss(s, t, y, normalize=False)
             for s, t, y in zip(student_logits, teacher_logits, label_chunks)

@@ -178,22 +178,26 @@ def nf4_dequantize(q: NF4Quantized) -> torch.Tensor:
 # %% ../../../nbs/52_nf4.ipynb #22ea0894
 class FrozenNF4Linear(nn.Linear):
     """A frozen linear layer whose weight is stored as torchao NF4 (4.13 bits per
-    weight); no bias.
+    weight); an optional `bias` stays in `dtype`, frozen too.
     """
 
     def __init__(
         self,
         in_dim: int,
         out_dim: int,
+        bias: bool = False,
         device: torch.device | None = None,
         dtype: torch.dtype | None = None,
         **quantization_kwargs,
     ) -> None:
-        super().__init__(in_dim, out_dim, bias=False, device=device, dtype=dtype)
+        super().__init__(in_dim, out_dim, bias=bias, device=device, dtype=dtype)
         self.weight.requires_grad_(False)
+        if self.bias is not None:
+            self.bias.requires_grad_(False)
         self.weight = nn.Parameter(
             to_nf4(self.weight.detach(), **quantization_kwargs), requires_grad=False
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear_nf4(input=x, weight=self.weight)
+        out = linear_nf4(input=x, weight=self.weight)
+        return out if self.bias is None else out + self.bias

@@ -48,12 +48,15 @@ def set_trainable_params(model: nn.Module, adapter_params: dict[str, Any]) -> No
             param.requires_grad_(name in adapter_params)
 
 
-def get_adapter_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
-    "The adapter entries of a full state dict (LoRA matrices and DoRA magnitudes)."
+def get_adapter_state_dict(
+    state_dict: dict[str, Any], device: Optional[str] = None
+) -> dict[str, Any]:
+    """The adapter entries of a full state dict: keys naming `lora` or `magnitude`
+    (LoRA matrices, DoRA magnitudes), moved to `device` if given."""
     return {
-        k: v
+        k: v if device is None else v.to(device)
         for k, v in state_dict.items()
-        if ".lora_a." in k or ".lora_b." in k or k.endswith(".magnitude")
+        if "lora" in k or "magnitude" in k
     }
 
 # %% ../../../nbs/54_peft_utils.ipynb #78db644d
@@ -172,9 +175,10 @@ def lora_checkpoint(
 
 # %% ../../../nbs/54_peft_utils.ipynb #e2363d45
 def validate_missing_and_unexpected_for_lora(
-    lora_attn_modules: Sequence[str],
-    apply_lora_to_mlp: bool,
-    apply_lora_to_output: bool,
+    lora_attn_modules: Optional[Sequence[str]] = None,
+    apply_lora_to_mlp: Optional[bool] = None,
+    apply_lora_to_output: Optional[bool] = None,
+    state_dict_keys: Optional[Sequence[str]] = None,
     base_missing: Optional[list[str]] = None,
     base_unexpected: Optional[list[str]] = None,
     lora_missing: Optional[list[str]] = None,
@@ -182,38 +186,48 @@ def validate_missing_and_unexpected_for_lora(
 ) -> None:
     """Check the key lists of `load_state_dict(strict=False)`: loading the base may miss
     only adapter keys, loading adapters may miss only base keys; nothing may be
-    unexpected. Raises with the offending keys.
+    unexpected. Which keys are adapters: those of `state_dict_keys` (the model's
+    keys) holding "lora" or "magnitude", or else those of the adapted layer kinds.
+    Raises RuntimeError naming the offending keys.
     """
-    lora_kinds = get_lora_module_names(
-        lora_attn_modules, apply_lora_to_mlp, apply_lora_to_output
-    )
+    if state_dict_keys is not None:
+        known = set(state_dict_keys)
 
-    def is_adapter(key: str) -> bool:
-        return (
-            any(
-                f"{kind}.lora_" in key or f"{kind}.magnitude" in key
-                for kind in lora_kinds
-            )
-            or key == "output.lora_a.weight"
-            or key == "output.lora_b.weight"
-        )
+        def is_adapter(key: str) -> bool:
+            return "lora" in key or "magnitude" in key
 
-    problems = []
-    if base_missing and [k for k in base_missing if not is_adapter(k)]:
-        problems.append(
-            "base weights missing for "
-            f"{[k for k in base_missing if not is_adapter(k)][:5]}"
-        )
-    if lora_missing and [k for k in lora_missing if is_adapter(k)]:
-        problems.append(
-            "adapter weights missing for "
-            f"{[k for k in lora_missing if is_adapter(k)][:5]}"
-        )
-    for label, keys in (("base", base_unexpected), ("adapter", lora_unexpected)):
-        if keys:
-            problems.append(f"unexpected {label} keys {keys[:5]}")
-    if problems:
+    elif None in (lora_attn_modules, apply_lora_to_mlp, apply_lora_to_output):
         raise ValueError(
+            "pass state_dict_keys (the model's keys), or lora_attn_modules, "
+            "apply_lora_to_mlp and apply_lora_to_output."
+        )
+    else:
+        known = None
+        kinds = get_lora_module_names(
+            lora_attn_modules, apply_lora_to_mlp, apply_lora_to_output
+        )
+
+        def is_adapter(key: str) -> bool:
+            return any(f"{k}.lora" in key or f"{k}.magnitude" in key for k in kinds)
+
+    base_missing, lora_missing = set(base_missing or []), set(lora_missing or [])
+    if known is not None:  # a key missing from both loads is missing whatever it is
+        both = base_missing & lora_missing
+        base_missing = (base_missing & known) | both
+        lora_missing = (lora_missing & known) | both
+    found = {
+        "Missing non-LoRA keys from the base model dict": sorted(
+            k for k in base_missing if not is_adapter(k)
+        ),
+        "Missing LoRA keys from the adapter dict": sorted(
+            k for k in lora_missing if is_adapter(k)
+        ),
+        "Unexpected keys loading base model": list(base_unexpected or []),
+        "Unexpected keys loading adapter": list(lora_unexpected or []),
+    }
+    problems = [f"{what}: {keys[:5]}" for what, keys in found.items() if keys]
+    if problems:
+        raise RuntimeError(
             "checkpoint does not fit the LoRA model: "
             + "; ".join(problems)
             + ". Check the LoRA options (lora_attn_modules, apply_lora_to_mlp, "

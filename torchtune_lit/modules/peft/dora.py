@@ -43,7 +43,13 @@ class DoRALinear(LoRALinear):
             **quantization_kwargs,
         )
         self.magnitude = nn.Parameter(torch.ones(out_dim))
-        self.initialize_dora_magnitude()
+        if not self._on_meta():  # a meta-device model is initialised once loaded
+            self.initialize_dora_magnitude()
+
+    def _on_meta(self) -> bool:
+        return any(
+            t.is_meta for t in (self.weight, self.lora_a.weight, self.lora_b.weight)
+        )
 
     def _dense_weight(self) -> torch.Tensor:
         w = self.weight
@@ -54,6 +60,11 @@ class DoRALinear(LoRALinear):
         """m = row norms of W + s B A (= of W while B is zero): the adapted layer starts
         equal to the base.
         """
+        if self._on_meta():
+            raise RuntimeError(
+                "Cannot initialize DoRA magnitude while the base or LoRA weights are "
+                "on the meta device: load or materialise them first."
+            )
         self.magnitude.copy_(self._weight_norm().to(self.magnitude.dtype))
 
     def _weight_norm(self) -> torch.Tensor:

@@ -75,6 +75,12 @@ class _LoRAParameters(nn.Module):
         super().__init__()
         if rank < 1:
             raise ValueError(f"LoRA rank must be >= 1, got {rank}.")
+        if quantization_kwargs and not quantize_base:
+            raise ValueError(
+                "``quantize_base`` is False, but received the following "
+                f"quantization arguments: {quantization_kwargs}; set "
+                "quantize_base=True or drop them."
+            )
         self.in_dim, self.out_dim, self.rank, self.alpha = in_dim, out_dim, rank, alpha
         self.use_bias, self._quantize_base = use_bias, quantize_base
         linear = nn.Linear(in_dim, out_dim, bias=use_bias)
