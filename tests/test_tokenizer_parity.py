@@ -372,4 +372,5 @@ def test_llama3_tiktoken_specials_have_fixed_ids(tmp_path):
     (tmp_path / "bytes.tiktoken").write_text(
         "".join(f"{base64.b64encode(bytes([b])).decode()} {b}\n" for b in range(256)))
     tok = llama3_tokenizer(tmp_path / "bytes.tiktoken")
-    assert (tok.bos_id, tok.eos_id, tok.eot_id, tok.vocab_size) == (128000, 128001, 128009, 128256)
+    assert (tok.bos_id, tok.eos_id, tok.eot_id, tok.vocab_size) == (128000, 128001, 128009, 128257)
+    assert (tok.pad_id, tok.step_id, tok.eom_id, tok.python_tag, tok.image_id) == (128004, 128005, 128008, 128010, 128256)

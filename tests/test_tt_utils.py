@@ -210,3 +210,16 @@ def test_torch_version_ge_on_the_installed_torch():
     assert utils.torch_version_ge("2.6")  # the package needs torch>=2.6
     with pytest.raises(ValueError, match="is not a version"):
         utils.torch_version_ge("latest")
+
+
+def test_logger_speaks_again_after_a_library_configured_logging():
+    "mlflow and lm-eval call logging.config.dictConfig, which disables existing loggers; the run's level re-enables it."
+    import logging.config
+
+    log = utils.get_logger("INFO")
+    logging.config.dictConfig({"version": 1})  # what such a library does
+    assert log.disabled
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        utils.get_logger("INFO").info("step 1")
+    assert out.getvalue() == "step 1\n"

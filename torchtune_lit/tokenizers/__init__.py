@@ -4,11 +4,11 @@
 
 # %% auto #0
 __all__ = ['BaseTokenizer', 'SentencePieceBaseTokenizer', 'TikTokenBaseTokenizer', 'HuggingFaceBaseTokenizer',
-           'GPT2BaseTokenizer', 'Special', 'Llama3Format', 'ChatMLFormat', 'GemmaFormat', 'MistralFormat',
-           'ModelTokenizer', 'tokenize_messages_no_special_tokens', 'llama3_tokenizer', 'qwen2_5_tokenizer',
-           'tiny_tokenizer', 'gemma_tokenizer', 'mistral_tokenizer', 'CL100K_PATTERN', 'Llama2ChatTemplate',
-           'TextTemplateTokenizer', 'llama2_tokenizer', 'PHI3_SPECIAL_TOKENS', 'Phi3Format', 'phi3_mini_tokenizer',
-           'HuggingFaceModelTokenizer', 'compile_chat_template']
+           'GPT2BaseTokenizer', 'Special', 'Llama3Format', 'Llama3Tokenizer', 'ChatMLFormat', 'GemmaFormat',
+           'MistralFormat', 'ModelTokenizer', 'tokenize_messages_no_special_tokens', 'llama3_tokenizer',
+           'qwen2_5_tokenizer', 'tiny_tokenizer', 'gemma_tokenizer', 'mistral_tokenizer', 'CL100K_PATTERN',
+           'Llama2ChatTemplate', 'TextTemplateTokenizer', 'llama2_tokenizer', 'PHI3_SPECIAL_TOKENS', 'Phi3Format',
+           'phi3_mini_tokenizer', 'HuggingFaceModelTokenizer', 'compile_chat_template']
 
 # %% ../../nbs/47_tokenizers_map.ipynb #756470f5
 from torchtune_lit.tokenizers._base import (
@@ -25,6 +25,7 @@ from torchtune_lit.tokenizers._chat import (
            GemmaFormat,
            Llama2ChatTemplate,
            Llama3Format,
+           Llama3Tokenizer,
            MistralFormat,
            ModelTokenizer,
            Phi3Format,
@@ -52,6 +53,7 @@ _all_ = [
     "GPT2BaseTokenizer",
     "Special",
     "Llama3Format",
+    "Llama3Tokenizer",
     "ChatMLFormat",
     "GemmaFormat",
     "MistralFormat",

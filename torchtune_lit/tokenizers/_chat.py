@@ -5,12 +5,13 @@
 # %% auto #0
 __all__ = ['Segment', 'LLAMA3_PATTERN', 'CL100K_PATTERN', 'LLAMA3_SPECIAL_TOKENS', 'QWEN2_PATTERN', 'PHI3_SPECIAL_TOKENS',
            'Special', 'Llama3Format', 'ChatMLFormat', 'GemmaFormat', 'MistralFormat', 'ModelTokenizer',
-           'llama3_tokenizer', 'byte_level_bpe', 'qwen2_5_tokenizer', 'gemma_tokenizer', 'mistral_tokenizer',
-           'tiny_tokenizer', 'tokenize_messages_no_special_tokens', 'Llama2ChatTemplate', 'TextTemplateTokenizer',
-           'llama2_tokenizer', 'Phi3Format', 'phi3_mini_tokenizer']
+           'Llama3Tokenizer', 'llama3_tokenizer', 'byte_level_bpe', 'qwen2_5_tokenizer', 'gemma_tokenizer',
+           'mistral_tokenizer', 'tiny_tokenizer', 'tokenize_messages_no_special_tokens', 'Llama2ChatTemplate',
+           'TextTemplateTokenizer', 'llama2_tokenizer', 'Phi3Format', 'phi3_mini_tokenizer']
 
 # %% ../../nbs/42_chat_tokenizers.ipynb #19fc3fa6
 import importlib
+import re
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -346,30 +347,99 @@ LLAMA3_SPECIAL_TOKENS += [
     f"<|reserved_special_token_{i}|>"
     for i in range(2, 256 - len(LLAMA3_SPECIAL_TOKENS) + 2)
 ]
+# the ids torchtune's Llama3Tokenizer reads off its special tokens (attribute: token)
+_LLAMA3_NAMED_IDS = {
+    "bos_id": "<|begin_of_text|>",
+    "eos_id": "<|end_of_text|>",
+    "pad_id": "<|finetune_right_pad_id|>",
+    "step_id": "<|step_id|>",
+    "start_header_id": "<|start_header_id|>",
+    "end_header_id": "<|end_header_id|>",
+    "eom_id": "<|eom_id|>",
+    "eot_id": "<|eot_id|>",
+    "python_tag": "<|python_tag|>",
+}
+
+
+def _llama3_special_ids(path: Path) -> dict[str, int]:
+    "The 256 text specials after the ranks (from 128000 up), then Llama 3.2's image."
+    first = max(128_000, len(_load_bpe_ranks(path)))
+    specials = {tok: first + i for i, tok in enumerate(LLAMA3_SPECIAL_TOKENS)}
+    return {**specials, "<|image|>": first + len(LLAMA3_SPECIAL_TOKENS)}
+
+
+class Llama3Tokenizer(ModelTokenizer):
+    """Llama 3.x model tokenizer (torchtune's class): the Llama 3 format on Meta's
+    tiktoken `tokenizer.model` or on a `tokenizer.json`, with the named special ids.
+    """
+
+    def __init__(
+        self,
+        path: Union[str, Path],
+        special_tokens: Optional[dict[str, int]] = None,
+        max_seq_len: Optional[int] = None,
+        prompt_template: Any = None,
+        truncation_type: str = "right",
+    ) -> None:
+        if truncation_type != "right":
+            raise ValueError(
+                f"truncation_type={truncation_type!r}: only 'right' (keep the start "
+                "of the conversation) is supported; drop the argument."
+            )
+        tiktoken_kwargs = None
+        if Path(path).suffix == ".json" and special_tokens is not None:
+            raise ValueError(
+                "special_tokens applies to a tiktoken tokenizer.model; a "
+                "tokenizer.json carries its own: drop special_tokens."
+            )
+        if Path(path).suffix != ".json":
+            specials = special_tokens or _llama3_special_ids(Path(path))
+            needed = [*_LLAMA3_NAMED_IDS.values()]
+            missing = [t for t in needed if t not in specials]
+            if missing:
+                raise ValueError(
+                    f"{', '.join(missing)} missing from special_tokens; give every "
+                    "Llama 3 control token an id (or leave special_tokens out)."
+                )
+            tiktoken_kwargs = dict(
+                name="llama3",
+                pattern=LLAMA3_PATTERN,
+                bos_id=specials["<|begin_of_text|>"],
+                eos_id=specials["<|end_of_text|>"],
+                special_tokens=specials,
+            )
+        base = _base_tokenizer(path, tiktoken_kwargs)
+        super().__init__(base, Llama3Format(), max_seq_len, prompt_template)
+        if tiktoken_kwargs is not None:
+            self.special_tokens = dict(tiktoken_kwargs["special_tokens"])
+        for name, token in _LLAMA3_NAMED_IDS.items():
+            setattr(self, name, base.token_to_id(token))
+        self.image_id = base.token_to_id("<|image|>")  # None: a text-only file
+        self.stop_tokens = [self.eos_id, self.eot_id, self.eom_id]
+
+    def decode(
+        self, token_ids: list[int], skip_special_tokens: bool = False, **kwargs
+    ) -> str:
+        """Text of `token_ids`; `skip_special_tokens=True` also drops each header
+        (role and the blank line after it), leaving the messages' text."""
+        if not skip_special_tokens:
+            return self.base.decode(token_ids, **kwargs)
+        text = self.base.decode(token_ids, **kwargs)
+        text = re.sub(r"<\|start_header_id\|>.*?<\|end_header_id\|>\n\n", "", text)
+        names = "|".join(re.escape(t) for t in self.special_tokens)
+        return re.sub(names, "", text)
 
 
 def llama3_tokenizer(
     path: Union[str, Path],
     max_seq_len: Optional[int] = None,
     prompt_template: Any = None,
-) -> ModelTokenizer:
+    special_tokens: Optional[dict[str, int]] = None,
+    truncation_type: str = "right",
+) -> Llama3Tokenizer:
     "Llama 3.x: `tokenizer.json`, or Meta's tiktoken `original/tokenizer.model`."
-    tiktoken_kwargs = None
-    if Path(path).suffix != ".json":
-        first = max(128_000, len(_load_bpe_ranks(Path(path))))
-        specials = {tok: first + i for i, tok in enumerate(LLAMA3_SPECIAL_TOKENS)}
-        tiktoken_kwargs = dict(
-            name="llama3",
-            pattern=LLAMA3_PATTERN,
-            bos_id=specials["<|begin_of_text|>"],
-            eos_id=specials["<|end_of_text|>"],
-            special_tokens=specials,
-        )
-    return ModelTokenizer(
-        _base_tokenizer(path, tiktoken_kwargs),
-        Llama3Format(),
-        max_seq_len,
-        prompt_template,
+    return Llama3Tokenizer(
+        path, special_tokens, max_seq_len, prompt_template, truncation_type
     )
 
 # %% ../../nbs/42_chat_tokenizers.ipynb #bpe0code

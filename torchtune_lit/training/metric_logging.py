@@ -356,6 +356,9 @@ def set_log_level(level: Union[str, int] = "INFO") -> logging.Logger:
         )
     logger = logging.getLogger(LOGGER_NAME)
     logger.setLevel(number)
+    # a library's logging.config.dictConfig (mlflow's, lm-eval's) disables the
+    # loggers that exist when it runs: the recipe's messages must not vanish
+    logger.disabled = False
     if not any(isinstance(h, _CurrentStdout) for h in logger.handlers):
         logger.addHandler(_CurrentStdout())
         logger.propagate = False  # not twice when the root logger has a handler too

@@ -72,7 +72,7 @@ def llama3_70b() -> TransformerDecoder:
 from ...modules.peft import lora_builder
 
 # the family's tokenizer and its pre-tokenizer pattern (chat formats chapter)
-from ...tokenizers import CL100K_PATTERN, llama3_tokenizer
+from ...tokenizers import CL100K_PATTERN, Llama3Tokenizer, llama3_tokenizer
 
 lora_llama3 = lora_builder(llama3, "lora_llama3")
 lora_llama3_8b = lora_builder(llama3_8b, "lora_llama3_8b")
