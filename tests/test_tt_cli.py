@@ -5,6 +5,7 @@ that read configs, in a subprocess or in this process."""
 import contextlib
 import io
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -82,7 +83,12 @@ def test_config_names_mean_what_they_mean_in_torchtune(name, recipe):
     assert found[1].name == recipe and found[0].path.name == name.split("/")[1] + ".yaml"
 
 
-def test_old_names_are_aliases_that_say_what_they_mean(caplog):
+def test_old_names_are_aliases_that_say_what_they_mean(caplog, monkeypatch):
+    # the package logger as a fresh process has it (another test may have given it a stdout handler)
+    package_logger = logging.getLogger("torchtune_lit")
+    monkeypatch.setattr(package_logger, "handlers", [])
+    monkeypatch.setattr(package_logger, "propagate", True)
+    monkeypatch.setattr(package_logger, "disabled", False)
     # a renamed one-device config: the old name means the new one everywhere, with one line on stderr
     note = "config 'llama3_2/1B_qlora' is now called 'llama3_2/1B_qlora_single_device' (torchtune's name); using it."
     cat = tunelit("cat", "llama3_2/1B_qlora")

@@ -30,8 +30,8 @@ from ._recipe_registry import RegistryError, resolve_config_path
 
 # %% auto #0
 __all__ = ['DEFAULT_ALLOWED_COMPONENTS', 'COMPONENT_PACKAGES', 'TRAINING_COMPONENTS', 'NOT_COMPONENTS',
-           'NEVER_ALLOWED_COMPONENTS', 'ALLOW_ENV', 'MAX_YAML_VALUES', 'RANK_ERRORS', 'RUN_COUNTS', 'OPTIONAL_FEATURES',
-           'TORCHTUNE_ONLY_KEYS', 'TORCHTUNE_DEFAULTS', 'ConfigError', 'trust_all_components',
+           'NEVER_ALLOWED_COMPONENTS', 'ALLOW_ENV', 'KNOWN_ORIGINS', 'MAX_YAML_VALUES', 'RANK_ERRORS', 'RUN_COUNTS',
+           'OPTIONAL_FEATURES', 'TORCHTUNE_ONLY_KEYS', 'TORCHTUNE_DEFAULTS', 'ConfigError', 'trust_all_components',
            'check_allowed_components', 'allow_components', 'granted_components', 'is_component', 'get_component',
            'instantiate', 'refuse_config_grants', 'apply_overrides', 'read_config_keys', 'builtin_config_keys',
            'load_config', 'interpolated_keys', 'parse_cli_args', 'validate', 'warn_unread_keys', 'parse',
@@ -263,6 +263,10 @@ def _from_torchtune(path: str, allowed: Sequence[str]) -> str:
     return "torchtune_lit" + path[len("torchtune") :]
 
 # %% ../nbs/6a_config.ipynb #43bf7c0e
+# where a refused object may come from and still be described as "not a component"
+KNOWN_ORIGINS = ("torchtune_lit", "torch", "torchao", "bitsandbytes")
+
+
 def _resolve(path: str, key: str, allowed: Sequence[str] | None) -> tuple[Any, str]:
     """(object, how it is allowed: 'default', 'granted' or 'trusted') for the dotted
     `path`, or a ConfigError naming `key`, the path and the fix."""
@@ -304,7 +308,7 @@ def _resolve(path: str, key: str, allowed: Sequence[str] | None) -> tuple[Any, s
         origin = _origin(obj)
         why = (
             f"it leads to {origin!r}"
-            if not _within(origin, ("torchtune_lit", "torch", "torchao", "bitsandbytes"))
+            if not _within(origin, KNOWN_ORIGINS)
             else "it is not a component (a function that writes, deletes or "
             "launches, a method, or an object a recipe does not build)"
         )

@@ -76,9 +76,9 @@ class TransformerDecoder(nn.Module):
     `layers` is a list of layers, or one layer copied `num_layers` times.
     `forward(tokens, *, mask=None, input_pos=None)` takes token ids [batch, seq] and
     returns fp32 logits [batch, seq, vocab], or — once `set_num_output_chunks` was
-    called — a list of exactly that many chunks along the sequence, in the model's dtype (the
-    chunked loss upcasts one chunk at a time). `embed_scale` multiplies the embeddings
-    (Gemma: sqrt(dim)); `final_logit_softcapping` caps the logits.
+    called — a list of exactly that many chunks along the sequence, in the model's
+    dtype (the chunked loss upcasts one chunk at a time). `embed_scale` multiplies the
+    embeddings (Gemma: sqrt(dim)); `final_logit_softcapping` caps the logits.
     """
 
     def __init__(

@@ -359,7 +359,8 @@ def set_log_level(level: Union[str, int] = "INFO") -> logging.Logger:
     # a library's logging.config.dictConfig (mlflow's, lm-eval's) disables the
     # loggers that exist when it runs: the recipe's messages must not vanish
     logger.disabled = False
-    if not any(isinstance(h, _CurrentStdout) for h in logger.handlers):
+    # by name: a reloaded module's class is another class, yet the same handler
+    if not any(type(h).__name__ == "_CurrentStdout" for h in logger.handlers):
         logger.addHandler(_CurrentStdout())
         logger.propagate = False  # not twice when the root logger has a handler too
     return logger

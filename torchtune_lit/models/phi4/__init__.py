@@ -85,7 +85,9 @@ def phi4_tokenizer(
     `vocab_path` / `merges_path`)."""
     given = path or special_tokens_path or vocab_path or merges_path
     if given is None:
-        raise ValueError("phi4_tokenizer needs the checkpoint's tokenizer.json (path=...).")
+        raise ValueError(
+            "phi4_tokenizer needs the checkpoint's tokenizer.json (path=...)."
+        )
     tokenizer_json = Path(given)
     if tokenizer_json.name != "tokenizer.json":
         tokenizer_json = tokenizer_json.parent / "tokenizer.json"
