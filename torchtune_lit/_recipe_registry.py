@@ -399,7 +399,9 @@ def find_alias(name: str, recipe: str | None = None) -> Alias | None:
     )
 
 # %% ../nbs/6b_recipe_registry.ipynb #d25f0663
-_log = logging.getLogger(__name__)
+# "tunelit", not under "torchtune_lit": a run's stdout handler (log_level) must not
+# take these notes, which go to stderr like any warning
+_log = logging.getLogger("tunelit")
 
 
 def resolve_recipe_path(name_or_path: str) -> Path:

@@ -63,7 +63,7 @@ def cmd_cp(args: argparse.Namespace) -> int:
     "Copy a built-in recipe or config to `args.destination`."
     alias = find_alias(args.name)
     if alias is not None:  # an old name: say which config it means now
-        logging.getLogger(__name__).warning(alias.note())
+        logging.getLogger("tunelit").warning(alias.note())  # stderr, see 6b
     name = alias.config if alias is not None else args.name
     recipe, found = find_recipe(name), find_config(name)
     if recipe is None and found is None:
