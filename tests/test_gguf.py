@@ -8,11 +8,11 @@ gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
 from torchtune_lit.datasets._tiny_world import TINY_ASSETS  # noqa: E402
+from torchtune_lit.recipes.export_gguf import write_gguf  # noqa: E402
 from torchtune_lit.training.checkpointing import (  # noqa: E402
     FullModelHFCheckpointer,
     load_model_for_eval,
 )
-from torchtune_lit.training.gguf import export_gguf  # noqa: E402
 
 TOKENS = torch.randint(0, 2048, (2, 24), generator=torch.Generator().manual_seed(1))
 
@@ -44,7 +44,7 @@ def transformers_logits(path):
 def test_f16_gguf_loads_in_transformers_with_our_logits(saved):
     "Within 1e-3 of our model on the weights the file holds (matrices rounded to fp16, norms fp32)."
     folder, model, ours = saved
-    path = export_gguf(folder, folder.parent / "tiny-F16.gguf", "F16")
+    path = write_gguf(folder, folder.parent / "tiny-F16.gguf", "F16")
     theirs = transformers_logits(path)
     rounded = {k: v.half().float() if v.ndim == 2 else v for k, v in model.state_dict().items()}
     with torch.no_grad():
@@ -60,7 +60,7 @@ def test_f16_gguf_loads_in_transformers_with_our_logits(saved):
 
 def test_q8_0_gguf_changes_logits_by_a_few_percent_of_their_spread(saved):
     folder, _, ours = saved
-    path = export_gguf(folder, folder.parent / "tiny-Q8_0.gguf", "Q8_0")
+    path = write_gguf(folder, folder.parent / "tiny-Q8_0.gguf", "Q8_0")
     change = (transformers_logits(path) - ours).abs().max() / ours.std()
     assert 0 < change < 0.05
     reader = gguf.GGUFReader(path)
@@ -76,7 +76,7 @@ def test_a_family_without_a_gguf_writer_is_refused_in_one_line(tmp_path):
     )
     transformers.Qwen2ForCausalLM(config).save_pretrained(tmp_path / "qwen2")
     with pytest.raises(ValueError, match="writes Llama-family models .* is a 'qwen2' model"):
-        export_gguf(tmp_path / "qwen2", tmp_path / "x.gguf")
+        write_gguf(tmp_path / "qwen2", tmp_path / "x.gguf")
     assert not list(tmp_path.glob("*.gguf*"))
 
 
@@ -114,7 +114,7 @@ def test_byte_level_bpe_tokenizer_gives_our_ids_and_logits(tmp_path):
     hf_model = transformers.LlamaForCausalLM(config)
     hf_model.save_pretrained(tmp_path)
     fast.save_pretrained(tmp_path)
-    path = export_gguf(tmp_path, tmp_path / "bpe.gguf", "F32")
+    path = write_gguf(tmp_path, tmp_path / "bpe.gguf", "F32")
     reader = gguf.GGUFReader(path)
     assert reader.fields["tokenizer.ggml.model"].contents() == "gpt2"
     assert reader.fields["tokenizer.ggml.pre"].contents() == "llama-bpe"
@@ -147,7 +147,7 @@ def test_llama3_rope_and_tied_embeddings_are_written_as_llama_cpp_reads_them(tmp
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(TINY_ASSETS / "base" / name, tmp_path / name)
-    reader = gguf.GGUFReader(export_gguf(tmp_path, tmp_path / "t.gguf", "Q8_0"))
+    reader = gguf.GGUFReader(write_gguf(tmp_path, tmp_path / "t.gguf", "Q8_0"))
     tensors = {t.name: t for t in reader.tensors}
     assert "output.weight" not in tensors and "token_embd.weight" in tensors
     llama3 = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")[0]
@@ -155,3 +155,17 @@ def test_llama3_rope_and_tied_embeddings_are_written_as_llama_cpp_reads_them(tmp
     written = torch.from_numpy(tensors["rope_freqs.weight"].data.copy())
     torch.testing.assert_close(written, plain / llama3, rtol=1e-5, atol=0)
     assert tensors["rope_freqs.weight"].tensor_type.name == "F32"
+
+
+def test_an_export_that_fails_while_writing_leaves_no_file(tmp_path, monkeypatch):
+    "The recipe writes next to the final name and renames: a failure once the header is on disk leaves nothing."
+    seen = []
+
+    def failing_write(writer, *args, **kwargs):
+        seen.extend(p.name for p in tmp_path.iterdir())  # the header is already written
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", failing_write)
+    with pytest.raises(OSError, match="No space left"):
+        write_gguf(TINY_ASSETS / "base", tmp_path / "tiny.gguf", "F16")
+    assert seen == [".tiny.gguf.tmp"] and list(tmp_path.iterdir()) == []
