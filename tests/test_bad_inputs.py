@@ -96,7 +96,7 @@ def world(tmp_path_factory) -> Path:
 CASES = {
     # silent wrong results before: each must now stop with the key and the fix
     "null label in some rows": (lambda t: lora(t / "o", f"dataset.data_files={t / 'null.jsonl'}"),
-                                "column 'label' is empty (null or missing) in 5 of 24 rows (rows 0, 5, 10, 15, 20)"),
+                                "column 'label' is empty (null or missing) in 5 of 24 rows "),
     "label missing in some rows": (lambda t: lora(t / "o", f"dataset.data_files={t / 'missing_some.jsonl'}"),
                                    "column 'label' is empty (null or missing) in 5 of 24 rows"),
     "epochs=0": (lambda t: lora(t / "o", "epochs=0"), "epochs must be a whole number >= 1, got 0."),
@@ -155,6 +155,12 @@ CASES = {
                           "is a file, not a built-in recipe or config"),
     "cp onto an existing file": (lambda t: ["cp", "tiny/lora", str(t / "null.jsonl")],
                                  "already exists; pass --force to overwrite it."),
+    # folders a run must not own (#39)
+    "output_dir=/": (lambda t: lora(Path("/")), "output_dir=/ is the root folder; a run writes there and "
+                                                "overwrite=true deletes there"),
+    "output_dir is the input checkpoint": (
+        lambda t: lora(t / "other_vocab", f"checkpointer.checkpoint_dir={t / 'other_vocab'}", "overwrite=true"),
+        "is the input checkpoint folder"),
     # configs cannot run code
     "os.system as a component": (lambda t: lora(t / "o", "checkpointer._component_=os.system",
                                                 f"+checkpointer.command=touch {t / 'pwned'}"),
@@ -180,6 +186,13 @@ def test_bad_input_is_one_clear_line(world, name, monkeypatch):
     assert not (world / "pwned").exists()
 
 
+def test_rows_with_an_empty_column_are_named_by_their_lines(world):
+    "The rows of a JSON-lines file are named by the lines an editor shows (from 1), not by 0-based positions."
+    line = refused(*lora(world / "o", f"dataset.data_files={world / 'null.jsonl'}"))
+    assert (f"column 'label' is empty (null or missing) in 5 of 24 rows ({world / 'null.jsonl'} lines 1, 6, 11, 16, "
+            "21); fill or drop those rows") in line, line
+
+
 def test_a_finished_run_is_neither_overwritten_nor_resumed(world):
     before = fingerprint(world / "finished")
     assert "already holds a run" in refused(*lora(world / "finished"))
@@ -197,6 +210,19 @@ def test_resume_with_changed_shapes_is_refused_by_name(world, tmp_path):
     before = fingerprint(killed)
     line = refused(*lora(killed, "resume_from_checkpoint=true", "model.lora_rank=4", "max_steps_per_epoch=3"))
     assert "resume: model.lora_rank was 8, now 4; that is a different run" in line
+    assert fingerprint(killed) == before
+
+
+def test_a_dpo_run_does_not_resume_an_sft_folder(world, tmp_path):
+    "Before: 19 warnings, then DPO trained on from the SFT run's step checkpoint (exit 0)."
+    killed = tmp_path / "killed"
+    shutil.copytree(world / "finished", killed, symlinks=True)
+    info = json.loads((killed / "run.json").read_text())
+    (killed / "run.json").write_text(json.dumps(dict(info, status="running", finished=None)))
+    before = fingerprint(killed)
+    line = refused("run", "lora_dpo_single_device", "--config", "tiny/dpo", f"output_dir={killed}", *FAST,
+                   "resume_from_checkpoint=true")
+    assert "lora_finetune_single_device run" in line and "lora_dpo_single_device" in line, line
     assert fingerprint(killed) == before
 
 
@@ -311,3 +337,57 @@ def test_a_failed_distributed_run_ends_in_one_line_per_rank(tmp_path):
     assert sorted(line[:7] for line in lines[:-1]) == ["[rank0]", "[rank1]"][: len(lines) - 1], lines
     assert all("CheckpointError: checkpoint_dir" in line and "does not exist" in line for line in lines[:-1])
     assert lines[-1].startswith("tunelit run: rank ") and "failed first" in lines[-1], lines
+
+
+def _rank_pid(launcher_pid: int, rank: int) -> int | None:
+    "The pid of the recipe process with RANK=`rank` below `launcher_pid`, from /proc."
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            children.setdefault(int(stat.read_text().rsplit(")", 1)[1].split()[1]), []).append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    todo = [launcher_pid]
+    while todo:
+        for pid in children.get(todo.pop(), []):
+            todo.append(pid)
+            try:
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                command = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if f"RANK={rank}".encode() in environ and b"full_finetune_distributed.py" in command:
+                return pid
+    return None
+
+
+def test_a_killed_rank_ends_in_one_line_per_rank(tmp_path):
+    "Rank 1 SIGKILLed mid-run (what the out-of-memory killer does): no traceback, the summary names it and the signal."
+    out = tmp_path / "o"
+    process = subprocess.Popen([TUNELIT, "run", "--nproc_per_node", "2", "--master_port", "29641",
+                                "full_finetune_distributed", "--config", "tiny/full_distributed", f"output_dir={out}",
+                                f"dataset.data_files={ASSETS / 'column_types_val.jsonl'}",  # 48 rows: quick to load
+                                "epochs=40", "batch_size=2", "progress_bar=false", "preflight=false",
+                                "validation_dataset=null"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    log, deadline = out / "log.jsonl", time.time() + 300
+    while time.time() < deadline and not (log.is_file() and log.read_text().strip()):
+        time.sleep(0.05)
+    victim = _rank_pid(process.pid, 1)
+    assert victim is not None, "rank 1 was not found"
+    os.kill(victim, signal.SIGKILL)
+    _, err = process.communicate(timeout=300)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert process.returncode != 0 and "Traceback" not in err, err[-3000:]
+    assert len(lines) <= 2, lines                                    # rank 1 prints nothing: it was killed
+    assert all(line.startswith("[rank0] stopped: another rank failed (") and ".cc:" not in line
+               for line in lines[:-1]), lines
+    assert lines[-1].startswith("tunelit run: rank 1 (killed by SIGKILL) failed first"), lines
+    assert "ran out of memory" in lines[-1] and "batch_size" in lines[-1], lines
+    steps = [json.loads(line)["step"] for line in log.read_text().splitlines()]
+    assert steps == list(range(1, len(steps) + 1))                   # the log is whole: every line one step
+    # the folder is free for a resume: a lock the launcher's SIGTERM left behind names a dead process
+    from torchtune_lit.training.runs import claim_output_dir, release_output_dir
+
+    claim_output_dir(out, resume=True, recipe="full_finetune_distributed")
+    release_output_dir(out)

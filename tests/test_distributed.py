@@ -186,7 +186,9 @@ def test_lora_distributed_resumes_from_sharded_checkpoint(tmp_path):
 def test_tensor_parallel_matches_one_process(tmp_path, processes, batch, port):
     """tensor_parallel_dim=2: two processes splitting every layer (tp 2), and four on a 2-D mesh (dp 2 x tp 2, FSDP2
     over dp), log the single-device losses and held-out losses at batch 4 and save the same model. Gloo has every
-    collective this needs (all-reduce, all-gather, reduce-scatter); gradient clipping spans both meshes."""
+    collective this needs (all-reduce, all-gather, reduce-scatter); gradient clipping spans both meshes. The four-process
+    run names its plan as torchtune's configs do (`tensor_parallel_plan`); the two-process run takes the default."""
+    plan = ["+tensor_parallel_plan._component_=torchtune_lit.models.llama3.base_llama_tp_plan"] if processes == 4 else []
     common = ["epochs=1", "max_steps_per_epoch=4", "shuffle=true", "~lr_scheduler", "run_val_every_n_steps=2",
               "max_validation_batches=null"]
     single = subprocess.run([TUNELIT, "run", "full_finetune_single_device", "--config", "tiny/full", "batch_size=4",
@@ -195,7 +197,7 @@ def test_tensor_parallel_matches_one_process(tmp_path, processes, batch, port):
     assert single.returncode == 0, single.stderr[-3000:]
     multi = subprocess.run([TUNELIT, "run", "--nproc_per_node", str(processes), "--master_port", port,
                             "full_finetune_distributed", "--config", "tiny/full_distributed", f"batch_size={batch}",
-                            "tensor_parallel_dim=2", f"output_dir={tmp_path / 'tp'}", *common],
+                            "tensor_parallel_dim=2", f"output_dir={tmp_path / 'tp'}", *common, *plan],
                            capture_output=True, text=True, timeout=600)
     assert multi.returncode == 0, multi.stderr[-3000:]
     a, b = records(tmp_path / "single" / "log.jsonl"), records(tmp_path / "tp" / "log.jsonl")

@@ -5,6 +5,7 @@ process and train at most one step."""
 import contextlib
 import io
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -78,6 +79,27 @@ def test_nan_in_base_weights_through_a_recipe_is_not_blamed_on_lr(nan_base, tmp_
     assert "loss is nan" not in line and "Lower optimizer.lr" not in line
 
 
+def test_nan_in_base_weights_under_fsdp_is_one_line_per_rank(nan_base, tmp_path):
+    """Two ranks: rank 0 (which reads the checkpoint) names the tensor, rank 1 says it stopped for it (or is ended by
+    the launcher first), the launcher's summary names rank 0 as the first to fail; no traceback, nothing saved."""
+    import subprocess
+    import sys
+
+    tunelit = str(Path(sys.executable).parent / "tunelit")
+    result = subprocess.run([tunelit, "run", "--nproc_per_node", "2", "full_finetune_distributed", "--config",
+                             "tiny/full_distributed", f"output_dir={tmp_path / 'out'}",
+                             f"checkpointer.checkpoint_dir={nan_base}", SMALL_DATA, *FAST],
+                            capture_output=True, text=True, timeout=600)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert 2 <= len(lines) <= 3, lines                      # one line per rank at most, then the summary
+    assert lines[0].startswith(f"[rank0] CheckpointError: the checkpoint's own weights contain NaN in {Q_KEY} "
+                               "(12 values)"), lines
+    assert all(line.startswith("[rank1] stopped: another rank failed") for line in lines[1:-1]), lines
+    assert lines[-1].startswith("tunelit run: rank 0 (exit code 1) failed first"), lines
+    assert not list((tmp_path / "out").glob("epoch_*")) and not list((tmp_path / "out").glob("step_*"))
+
+
 def test_diverged_run_saves_nothing(tmp_path):
     # AdamW with eps=0 divides 0 by 0 for every weight whose gradient is 0 (embedding rows of tokens not in the
     # batch): the first loss is finite, the weights after the run's only step are NaN
@@ -103,6 +125,56 @@ def test_step_checkpoint_with_nan_keeps_the_previous_one(tmp_path):
     assert "in layers.2.mlp.w1.weight (" in str(e) and "clip_grad_norm" in str(e)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_3"]
     assert {p.name: p.read_bytes() for p in (tmp_path / "step_3").iterdir()} == before
+
+
+SHARDED_SAVE = """
+import os, sys, torch, torch.distributed as dist
+from torchtune_lit.training import save_sharded_step, sharding
+
+class TwoLayers(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+
+dist.init_process_group("gloo")
+rank, out = dist.get_rank(), sys.argv[1]
+torch.manual_seed(0)
+model = sharding.shard_model(TwoLayers())
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+save_sharded_step(model, optimizer, None, out, 0, 1, 1, rank)
+if rank == 1:  # this rank's shard only: rank 0 cannot see the NaN in its own
+    with torch.no_grad():
+        model.layers[0].weight.to_local()[0, 0] = float("nan")
+try:
+    save_sharded_step(model, optimizer, None, out, 0, 2, 2, rank)
+    print(f"rank {rank} saved step_2")
+except FloatingPointError as e:
+    print(f"rank {rank}: {e}")
+dist.destroy_process_group()
+"""
+
+
+def test_sharded_step_checkpoint_with_nan_on_one_rank_is_refused_on_every_rank(tmp_path):
+    "Two processes (FSDP2 on Gloo): the NaN is in rank 1's shard; both ranks refuse step_2, naming rank 1."
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ranks = [subprocess.Popen([sys.executable, "-c", SHARDED_SAVE, str(tmp_path)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                                   "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
+             for r in (0, 1)]
+    results = [p.communicate(timeout=240) for p in ranks]
+    assert all(p.returncode == 0 for p in ranks), [err[-2000:] for _, err in results]
+    expected = ("not saving step_2 (epoch 0): the weights contain NaN in layers.0.weight (1 value) in rank 1's "
+                "shard, so the run diverged")
+    for r, (out, _) in enumerate(results):
+        assert out.startswith(f"rank {r}: {expected}"), out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1"]       # step_1 kept, nothing of step_2
 
 
 def test_nonfinite_adapter_is_refused_too(tmp_path):
@@ -235,6 +307,22 @@ def test_preflight_warns_when_validation_is_the_evaluation_split(tmp_path):
     assert [f["level"] for f in clean] == ["ok"]
 
 
+def test_a_run_validating_on_the_evaluation_split_is_warned(tmp_path):
+    "The recipe's and `tunelit preflight`'s reports carry the held-out check (before: no recipe passed its files)."
+    on_eval = "validation_dataset.data_files=${asset:tiny/column_types_eval.jsonl}"
+    warning = f"WARN  validation_dataset reads {ASSETS / 'column_types_eval.jsonl'}, the file the evaluation scores"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        code = main(["preflight", "tiny/lora", on_eval, f"output_dir={tmp_path / 'pf'}"])
+    assert code == 0 and warning in out.getvalue(), out.getvalue()
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        code = main(["run", "lora_finetune_single_device", "--config", "tiny/lora", on_eval, SMALL_DATA,
+                     f"output_dir={tmp_path / 'run'}", "epochs=1", "max_steps_per_epoch=1", "progress_bar=false",
+                     "run_val_every_n_steps=null", "max_validation_batches=1"])
+    assert code == 0 and warning in out.getvalue(), out.getvalue()[-3000:]
+
+
 # -- data files: file and 1-based line ------------------------------------------------------------------------------
 
 GOOD = '{"prompt": "Column: zip\\nValues: 75011", "label": "postal_code"}\n'
@@ -255,6 +343,31 @@ def test_broken_jsonl_names_file_and_line(tmp_path, content, expected):
     path.write_bytes(content if isinstance(content, bytes) else content.encode())
     e = error_of(load_rows, "json", data_files=str(path))
     assert isinstance(e, ValueError) and str(e).startswith(f"the data file {path}") and expected in str(e), str(e)
+
+
+def test_empty_columns_are_named_by_file_and_line(tmp_path):
+    "check_columns names JSON-lines rows as FILE line N (1-based, blank lines counted), through filter_fn and two files."
+    import datasets
+
+    from torchtune_lit.data import ColumnError, InputOutputToMessages
+    from torchtune_lit.datasets._builders import check_columns
+
+    transform = InputOutputToMessages(column_map={"input": "prompt", "output": "label"})
+    empty = '{"prompt": "Column: x", "label": null}\n'
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    first.write_text(GOOD + "\n" + empty + GOOD)                 # the empty row is on line 3, after a blank one
+    second.write_text(empty + GOOD * 3 + GOOD.replace("zip", "dob") * 3 + empty * 5)   # empty: lines 1 and 8-12
+    cases = [({"data_files": str(first)}, f"in 1 of 3 rows ({first} line 3)"),
+             ({"data_files": [str(first), str(second)]},
+              f"in 7 of 15 rows ({first} line 3; {second} lines 1, 8, 9, 10, ...)"),
+             # filter_fn drops lines 2-4: the kept rows still point at their own lines
+             ({"data_files": str(second), "filter_fn": lambda row: row["label"] is None or "dob" in row["prompt"]},
+              f"in 6 of 9 rows ({second} lines 1, 8, 9, 10, 11, ...)")]
+    for kwargs, expected in cases:
+        e = error_of(check_columns, load_rows("json", **kwargs), transform)
+        assert isinstance(e, ColumnError) and expected in str(e), str(e)
+    in_memory = datasets.Dataset.from_list([json.loads(GOOD), json.loads(empty)])  # no file: positions from 0
+    assert "in 1 of 2 rows (rows 1; counted from 0)" in str(error_of(check_columns, in_memory, transform))
 
 
 def test_broken_jsonl_through_the_cli_is_one_line(tmp_path, capfd):

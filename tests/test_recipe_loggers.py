@@ -93,3 +93,45 @@ def test_distributed_dpo_rank0_logs(tmp_path):
     assert {e.step: e.value for e in events.Scalars("loss")} == pytest.approx(logged, rel=1e-6)
     assert sorted(logged) == [1, 2]
     assert "rewards/margin" in events.Tags()["scalars"]
+
+
+def test_wandb_gets_the_resolved_config_and_every_step(tmp_path, monkeypatch):
+    """W&B through a recipe, with a stand-in `wandb` module (the package is not a dependency): the run is opened with
+    the config's project, its config is the resolved config without secrets, every step's loss is the one log.jsonl
+    has, and the run is finished."""
+    import types
+
+    calls: dict[str, list] = {"init": [], "config": [], "log": [], "finish": []}
+
+    class Run:
+        config = types.SimpleNamespace(update=lambda values, **kw: calls["config"].append((values, kw)))
+
+        def log(self, payload, step=None):
+            calls["log"].append((step, dict(payload)))
+
+        def finish(self):
+            calls["finish"].append(True)
+
+    def init(**kwargs):
+        calls["init"].append(kwargs)
+        return Run()
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(__name__="wandb", init=init))
+    out = tmp_path / "run"
+    overrides = [f"output_dir={out}", *SHORT, f"+hf_token={SECRET}",
+                 "metric_logger._component_=torchtune_lit.training.metric_logging.WandBLogger",
+                 "metric_logger.project=tiny-demo", "+metric_logger.name=first",
+                 "dataset.data_files=${asset:tiny/column_types_val.jsonl}"]
+    from torchtune_lit.recipes import lora_finetune_single_device
+
+    lora_finetune_single_device.train(config.load_config("tiny/lora", overrides))
+    assert calls["init"] == [{"project": "tiny-demo", "name": "first"}]
+    [(sent, options)] = calls["config"]
+    assert options == {"allow_val_change": True}
+    assert sent["output_dir"] == str(out) and sent["max_steps_per_epoch"] == 2 and sent["batch_size"] == 2
+    assert sent["optimizer"]["lr"] == config.load_config("tiny/lora", []).optimizer.lr   # nested, as W&B shows it
+    assert sent["dataset"]["data_files"].endswith("assets/tiny/column_types_val.jsonl")   # ${asset:} resolved
+    assert "hf_token" not in sent and SECRET not in str(sent)
+    logged = {row["step"]: row["loss"] for row in read_jsonl(out / "log.jsonl")}
+    assert {step: payload["loss"] for step, payload in calls["log"] if "loss" in payload} == pytest.approx(logged)
+    assert sorted(logged) == [1, 2] and calls["finish"] == [True]

@@ -210,6 +210,23 @@ def test_the_python_api_takes_the_grant_as_an_argument():
     config.validate({"p": node}, allowed=("yaml",))
 
 
+def test_no_nested_component_is_built_before_every_one_is_checked(monkeypatch):
+    "A granted nested component would run first; a refused sibling later in the tree must stop the build before it."
+    import types
+
+    probe = types.ModuleType("probe_pkg")               # a package the person granted, with a visible side effect
+    exec("calls = []\ndef side_effect():\n    calls.append(1)\n    return 4\n", probe.__dict__)
+    monkeypatch.setitem(sys.modules, "probe_pkg", probe)
+    calls = probe.calls
+    node = {"_component_": "torch.nn.Linear", "in_features": {"_component_": "probe_pkg.side_effect"},
+            "out_features": {"_component_": "yaml.unsafe_load", "stream": "4"}}
+    with pytest.raises(config.ConfigError) as e:
+        config.instantiate(node, allowed=("probe_pkg",))
+    assert "out_features._component_ = 'yaml.unsafe_load' is not allowed" in str(e.value), str(e.value)
+    assert calls == []                                       # the granted one did not run either
+    assert config.instantiate(dict(node, out_features=2), allowed=("probe_pkg",)).in_features == 4 and calls == [1]
+
+
 # --- 3. only finite numbers -----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("override,key", [
@@ -302,20 +319,42 @@ def test_torch_weights_only_refusal_is_one_line_naming_the_file(tmp_path):
     assert not marker.exists()
 
 
-def test_jinja_sandbox_refusal_is_one_line_naming_the_file(tmp_path):
+@pytest.mark.parametrize("where", ["chat_template.jinja", "tokenizer_config.json"])
+def test_jinja_sandbox_refusal_is_one_line_naming_the_file(tmp_path, where):
+    import json
+
     from torchtune_lit.tokenizers import HuggingFaceModelTokenizer
 
     folder = tmp_path / "hostile_tokenizer"
     folder.mkdir()
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (folder / name).write_bytes((ASSETS / "base" / name).read_bytes())
-    (folder / "chat_template.jinja").write_text("{{ ''.__class__.__mro__[1].__subclasses__() }}")
+    escape = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
+    if where == "chat_template.jinja":
+        (folder / where).write_text(escape)
+    else:  # the template inside tokenizer_config.json, as most checkpoints ship it
+        settings = json.loads((folder / where).read_text())
+        (folder / where).write_text(json.dumps(dict(settings, chat_template=escape)))
     tokenizer = HuggingFaceModelTokenizer(folder / "tokenizer.json")
     error = _raised(tokenizer.render, [{"role": "user", "content": "hi"}])
     assert type(error).__name__ == "SecurityError"
     line = error_line(error)
     assert line is not None and len(line.splitlines()) == 1, line
-    assert "chat template" in line and "refused for safety" in line, line
+    assert line.startswith(f"the chat template in {folder / where} was refused for safety: "), line
+
+
+def test_jinja_sandbox_refusal_in_a_run_is_one_line_naming_the_file(tmp_path):
+    "The refusal reaches `tunelit run` from inside the dataset: exit 1, one line naming the template's file."
+    folder = tmp_path / "hostile_tokenizer"
+    folder.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((ASSETS / "base" / name).read_bytes())
+    (folder / "chat_template.jinja").write_text("{{ ''.__class__.__mro__[1].__subclasses__() }}")
+    tokenizer = (f"tokenizer={{_component_: torchtune_lit.tokenizers.HuggingFaceModelTokenizer, "
+                 f"tokenizer_json_path: {folder / 'tokenizer.json'}, max_seq_len: 256}}")
+    line = refused(*lora_run("tiny/lora", tmp_path / "out", tokenizer))
+    assert line.startswith(f"tunelit run: the chat template in {folder / 'chat_template.jinja'} was refused for "
+                           "safety: access to attribute '__class__'"), line
 
 
 WRITES = re.compile(r"write_text|write_bytes|open\([^)]*['\"][wax]|torch\.save|save_file|rmtree|unlink|"

@@ -53,7 +53,7 @@ def test_torchtune_components_and_paths(tmp_path):
 
 def test_keys_done_another_way(caplog):
     base = config.load_config("tiny/lora")
-    for key, value in (("fsdp_cpu_offload", "true"), ("low_cpu_ram", "true"), ("tensor_parallel_plan", "x")):
+    for key, value in (("fsdp_cpu_offload", "true"), ("low_cpu_ram", "true")):
         with pytest.raises(ValueError, match=rf"^{key}=.*this package does not implement it"):
             config.check_run_values(config.apply_overrides(base.copy(), [f"+{key}={value}"]))
     for key in ("fsdp_cpu_offload=false", "low_cpu_ram=false", "data_parallel_shard_dim=-1",

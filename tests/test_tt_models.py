@@ -112,3 +112,116 @@ def test_checkpointer_model_types_of_the_new_families():
     assert get_family("LLAMA2").hf_model_type == "llama"
     assert get_family("GEMMA").hf_model_type == "gemma"
     assert get_family("GEMMA").tied_by_default
+
+
+# --- Mistral's [INST] markers, and the one-block LoRA builders of Qwen 2 and Phi-3 (issue #38) ---
+
+def test_mistral_chat_template_wraps_user_turns_as_text_and_refuses_a_system_turn():
+    "The model card's layout `[INST] Instruction [/INST] Model answer`: the user turn wrapped, the answer untouched."
+    from torchtune_lit.data import Message
+    from torchtune_lit.models.mistral import MistralChatTemplate
+    out = MistralChatTemplate()([Message("user", "Name the column.", masked=True), Message("assistant", "dob")])
+    assert [(m.role, m.text_content, m.masked) for m in out] == [
+        ("user", "[INST] Name the column. [/INST] ", True), ("assistant", "dob", False)]
+    with pytest.raises(ValueError, match="System prompts are not supported in MistralChatTemplate"):
+        MistralChatTemplate()([Message("system", "Be brief."), Message("user", "hi")])
+
+
+def test_mistral_tokenizer_writes_inst_as_text_when_the_vocabulary_lacks_it():
+    from torchtune_lit.config import _asset_path
+    from torchtune_lit.data import Message
+    from torchtune_lit.models.mistral import MistralTokenizer, mistral_tokenizer
+    tokenizer = mistral_tokenizer(_asset_path("tiny/tokenizer.model"))  # SentencePiece, no [INST] piece
+    assert isinstance(tokenizer, MistralTokenizer) and tokenizer.stop_tokens == [tokenizer.eos_id]
+    chat = [Message("user", "Which column holds dates?", masked=True), Message("assistant", "The second.")]
+    tokens, mask = tokenizer.tokenize_messages(chat)
+    assert tokenizer.decode(tokens) == "[INST] Which column holds dates? [/INST] The second."
+    assert (tokens[0], tokens[-1]) == (tokenizer.bos_id, tokenizer.eos_id)
+    prompt, _ = tokenizer.tokenize_messages(chat[:1])
+    assert mask == [True] * len(prompt) + [False] * (len(tokens) - len(prompt))
+    assert tokenizer.tokenize_messages(chat, add_eos=False)[0] == tokens[:-1]
+    with pytest.raises(ValueError, match="truncation_type"):
+        mistral_tokenizer(_asset_path("tiny/tokenizer.model"), truncation_type="left")
+
+
+def test_mistral_tokenizer_uses_the_control_tokens_when_the_vocabulary_has_them(tmp_path):
+    "On a v0.3-like tokenizer.json the ids equal transformers' chat template; the default template adds no text."
+    import transformers
+    from test_tokenizer_parity import MISTRAL_V03_TEMPLATE, save_small_bpe
+
+    from torchtune_lit.data import Message
+    from torchtune_lit.models.mistral import MistralChatTemplate, mistral_tokenizer
+    save_small_bpe(tmp_path / "tokenizer.json", ["<unk>", "<s>", "</s>", "[INST]", "[/INST]"])
+    reference = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"),
+                                                     bos_token="<s>", eos_token="</s>")
+    reference.chat_template = MISTRAL_V03_TEMPLATE
+    (tmp_path / "tokenizer_config.json").write_text('{"bos_token": "<s>", "eos_token": "</s>"}')
+    conversation = [{"role": "user", "content": "zip: 75011, 10115"}, {"role": "assistant", "content": "postal_code"},
+                    {"role": "user", "content": "amount: 1.234,50 EUR"}, {"role": "assistant", "content": "currency"}]
+    expected = list(reference.apply_chat_template(conversation, tokenize=True)["input_ids"])
+    messages = [Message(m["role"], m["content"]) for m in conversation]
+    for template in ("torchtune_lit.models.mistral.MistralChatTemplate", MistralChatTemplate(), None):
+        tokenizer = mistral_tokenizer(tmp_path / "tokenizer.json", prompt_template=template)
+        assert tokenizer.tokenize_messages(messages, add_end_tokens=False)[0] == expected
+
+
+def test_mistral_tokenizer_refuses_a_tokenizer_json_without_inst(tmp_path):
+    from test_tokenizer_parity import save_small_bpe
+
+    from torchtune_lit.models.mistral import mistral_tokenizer
+    save_small_bpe(tmp_path / "tokenizer.json", ["<unk>", "<s>", "</s>"])
+    with pytest.raises(ValueError, match=r"no \[INST\] control token.*tokenizer.model"):
+        mistral_tokenizer(tmp_path / "tokenizer.json")
+
+
+# torchtune's keyword arguments of the one-block builders (its _component_builders signatures)
+QWEN2_BLOCK_ARGS = ["embed_dim", "num_heads", "num_kv_heads", "max_seq_len", "head_dim", "attn_dropout", "norm_eps",
+                    "rope_base", "q_proj_bias", "k_proj_bias", "v_proj_bias", "q_norm", "k_norm", "lora_rank",
+                    "lora_alpha", "lora_dropout", "use_dora", "quantize_base"]
+PHI3_BLOCK_ARGS = ["embed_dim", "num_heads", "num_kv_heads", "max_seq_len", "attn_dropout", "rope_base", "lora_rank",
+                   "lora_alpha", "lora_dropout", "use_dora", "quantize_base"]
+
+
+def _same_block_output(block, attn) -> None:
+    "`block` loads `attn`'s weights (only adapter keys missing) and, adapters at zero, gives `attn`'s output."
+    missing, unexpected = block.load_state_dict(attn.state_dict(), strict=False)
+    assert not unexpected and missing and all("lora_" in k for k in missing)
+    x = torch.randn(2, 12, 64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(block(x, x), attn(x, x), atol=1e-6, rtol=1e-6)
+
+
+def test_lora_qwen2_self_attention_is_layer0_of_qwen2_or_qwen3():
+    from torchtune_lit.models.qwen2 import lora_qwen2_self_attention, qwen2
+    from torchtune_lit.models.qwen3 import qwen3
+    assert set(QWEN2_BLOCK_ARGS) <= set(inspect.signature(lora_qwen2_self_attention).parameters)
+    torch.manual_seed(0)
+    sizes = dict(num_heads=4, num_kv_heads=2, embed_dim=64, max_seq_len=32)
+    model_sizes = dict(vocab_size=10, num_layers=1, intermediate_dim=32, norm_eps=1e-5, **sizes)
+    qwen2_block = lora_qwen2_self_attention(["q_proj", "v_proj"], lora_rank=4, lora_alpha=8.0, **sizes)
+    assert qwen2_block.q_proj.bias is not None and qwen2_block.q_norm is None
+    _same_block_output(qwen2_block, qwen2(**model_sizes).layers[0].attn)
+    qwen3_block = lora_qwen2_self_attention(["k_proj"], lora_rank=4, lora_alpha=8.0, q_proj_bias=False,
+                                            k_proj_bias=False, v_proj_bias=False, q_norm=True, k_norm=True, **sizes)
+    with torch.no_grad():  # norm gains away from 1, so a missing q/k norm would show
+        qwen3_reference = qwen3(**model_sizes).layers[0].attn
+        qwen3_reference.q_norm.scale.uniform_(0.5, 1.5)
+        qwen3_reference.k_norm.scale.uniform_(0.5, 1.5)
+    _same_block_output(qwen3_block, qwen3_reference)
+    with pytest.raises(ValueError, match="Must pass one or more of"):
+        lora_qwen2_self_attention([], lora_rank=4, lora_alpha=8.0, **sizes)
+    with pytest.raises(ValueError, match="Qwen 2.*Qwen 3"):
+        lora_qwen2_self_attention(["q_proj"], lora_rank=4, lora_alpha=8.0, q_norm=True, **sizes)
+
+
+def test_lora_phi3_self_attention_is_layer0_of_phi3():
+    from torchtune_lit.models.phi3 import lora_phi3_self_attention, phi3
+    assert set(PHI3_BLOCK_ARGS) <= set(inspect.signature(lora_phi3_self_attention).parameters)
+    torch.manual_seed(0)
+    sizes = dict(num_heads=4, num_kv_heads=2, embed_dim=64, max_seq_len=32, sliding_window=4)
+    block = lora_phi3_self_attention(["q_proj", "k_proj", "v_proj", "output_proj"], lora_rank=4, lora_alpha=8.0,
+                                     **sizes)
+    assert block.sliding_window == 4 and block.q_proj.bias is None
+    _same_block_output(block, phi3(vocab_size=10, num_layers=1, intermediate_dim=32, **sizes).layers[0].attn)
+    with pytest.raises(ValueError, match="Must pass one or more of"):
+        lora_phi3_self_attention([], lora_rank=4, lora_alpha=8.0, **sizes)

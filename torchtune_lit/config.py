@@ -1035,7 +1035,9 @@ def parse(recipe_main: Callable[[DictConfig], Any]) -> Callable[..., Any]:
             notes = " ".join(getattr(e, "__notes__", []))
             message = f"[rank{rank}] {type(e).__name__}: {e} {notes}".rstrip()
             if peer:
-                cause = str(e).split(". ")[0][-160:]
+                # the message without the C++ source location gloo puts first
+                text = re.sub(r"\[[^\]]*:\d+\] ", "", str(e))
+                cause = text.split(". ")[0][-160:]
                 message = f"[rank{rank}] stopped: another rank failed ({cause})"
             print(message, file=sys.stderr, flush=True)
             raise SystemExit(1) from None
@@ -1061,7 +1063,6 @@ OPTIONAL_FEATURES = ("optimizer_in_bwd", "enable_activation_offloading")
 TORCHTUNE_ONLY_KEYS = {
     "fsdp_cpu_offload": ("keeps FSDP's shards and optimizer states in CPU memory",
                          None),
-    "tensor_parallel_plan": ("names a tensor-parallel plan component", None),
     "low_cpu_ram": ("saves QLoRA checkpoints with less CPU memory", None),
     "custom_sharded_layers": (
         "makes the named modules (embeddings, output) their own FSDP units",

@@ -12,6 +12,7 @@ import logging
 import os
 import runpy
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -155,6 +156,7 @@ def run_plan(cfg: DictConfig) -> Any:
 
     optimizer = cfg.get("optimizer") or {}
     entries = dataset_entries(cfg.dataset)
+    validation = cfg.get("validation_dataset") or cfg.get("dataset_val") or {}
     return RunPlan(
         batch_size=cfg.batch_size,
         dtype=DTYPES.get(cfg.get("dtype", "fp32"), torch.float32),
@@ -169,6 +171,7 @@ def run_plan(cfg: DictConfig) -> Any:
         optimizer_in_backward=bool(cfg.get("optimizer_in_bwd", False)),
         activation_offloading=bool(cfg.get("enable_activation_offloading", False)),
         train_on_input=any(e.get("train_on_input", False) for e in entries),
+        validation_files=validation.get("data_files"),  # the held-out check
     )
 
 
@@ -425,7 +428,7 @@ def _launcher_line(line: str, state: dict) -> bool:
 def relay_launcher_stderr(stream: Any, out: Any) -> Optional[str]:
     """Copy torchrun's stderr (bytes) to `out` (text) without the launcher's traceback
     and failure report; return the rank it names as the root cause and that rank's exit
-    code (negative: killed by that signal), if it names one."""
+    code, or the signal that killed it, if it names one."""
     state: dict = {"report": False}
     pending = b""
     while chunk := os.read(stream.fileno(), 65536):
@@ -443,7 +446,11 @@ def relay_launcher_stderr(stream: Any, out: Any) -> Optional[str]:
         out.write(pending.decode(errors="replace"))
     if "root_cause" not in state:
         return None
-    return f"{state['root_cause']} (exit code {state.get('exit_code', '?')})"
+    code = state.get("exit_code", "?")
+    by_signal = {-s.value: s.name for s in signal.Signals}  # exit code -9: SIGKILL
+    if code.lstrip("-").isdigit() and int(code) in by_signal:
+        return f"{state['root_cause']} (killed by {by_signal[int(code)]})"
+    return f"{state['root_cause']} (exit code {code})"
 
 # %% ../../nbs/6c_cli.ipynb #13f746ab
 SANITY_INTERRUPTED = (
@@ -508,9 +515,16 @@ def _run_recipe(run_args: list[str], interrupted: Optional[str] = None) -> int:
             print(interrupted or interrupted_message(recipe_args), file=sys.stderr)
             return 130
         if code != 0 and root_cause is not None:
+            oom = (
+                " A rank killed by SIGKILL most often ran out of memory (the "
+                "kernel's OOM killer): lower batch_size or set "
+                "enable_activation_checkpointing=true."
+                if "SIGKILL" in root_cause
+                else ""
+            )
             print(
                 f"tunelit run: rank {root_cause} failed first; the error of each "
-                "rank that raised one is above.",
+                f"rank that raised one is above.{oom}",
                 file=sys.stderr,
             )
         return code

@@ -79,6 +79,9 @@ class TransformerDecoder(nn.Module):
     called — a list of exactly that many chunks along the sequence, in the model's
     dtype (the chunked loss upcasts one chunk at a time). `embed_scale` multiplies the
     embeddings (Gemma: sqrt(dim)); `final_logit_softcapping` caps the logits.
+    `output_hidden_states` (layer indices; i is the input of layer i, len(layers) the
+    last layer's output) puts those hidden states before the output, in a list;
+    `skip_output_layer` returns the final-normed hidden states instead of logits.
     """
 
     def __init__(
@@ -94,6 +97,7 @@ class TransformerDecoder(nn.Module):
         num_layers: Optional[int] = None,
         embed_scale: Optional[float] = None,
         final_logit_softcapping: Optional[float] = None,
+        output_hidden_states: Optional[list[int]] = None,
     ) -> None:
         super().__init__()
         if isinstance(layers, nn.Module) and not isinstance(layers, nn.ModuleList):
@@ -112,6 +116,8 @@ class TransformerDecoder(nn.Module):
         self.embed_scale = embed_scale
         self.final_logit_softcapping = final_logit_softcapping
         self.num_output_chunks = 0
+        self.output_hidden_states = list(output_hidden_states or [])
+        self.skip_output_layer = False
 
     # KV caches, for generation
     def setup_caches(
@@ -181,10 +187,23 @@ class TransformerDecoder(nn.Module):
         h = self.tok_embeddings(tokens) if input_embeds is None else input_embeds
         if self.embed_scale is not None:
             h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
-        for layer in self.layers:
+        hidden = []
+        for i, layer in enumerate(self.layers):
+            if i in self.output_hidden_states:
+                hidden.append(h)
             h = layer(h, mask=mask, input_pos=input_pos)
+        if len(self.layers) in self.output_hidden_states:
+            hidden.append(h)
+        output = self.unembed(h)
+        return [*hidden, output] if hidden else output
+
+    def unembed(self, h: torch.Tensor) -> Union[torch.Tensor, list[torch.Tensor]]:
+        """Final norm, then the vocabulary: fp32 logits, or chunks of them in the
+        model's dtype (the loss upcasts one at a time), or — `skip_output_layer`,
+        for a loss that projects by itself — the normed hidden states."""
         h = self.norm(h)
-        # chunks stay in the model's dtype: the loss upcasts one at a time
+        if self.skip_output_layer:
+            return h
         if self.num_output_chunks > 0:
             chunks = h.tensor_split(self.num_output_chunks, dim=1)
             return [self._logits(chunk) for chunk in chunks]

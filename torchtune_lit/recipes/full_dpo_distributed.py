@@ -62,7 +62,7 @@ CONFIG_KEYS = {
         None,
         "torchtune's own FSDP units: here embeddings/output go with the root",
     ),
-    "tensor_parallel_plan": (None, "torchtune's TP plan component (refused: use ours)"),
+    "tensor_parallel_plan": (None, "used with tensor_parallel_dim > 1 (refused here)"),
     "checkpointer": ("required", "reads the base weights and writes the outputs"),
     "ref_checkpointer": (
         None,
@@ -160,6 +160,8 @@ def train(cfg: DictConfig) -> list[dict]:
             entry.get("train_on_input", False)
             for entry in datasets.dataset_entries(cfg.dataset)
         ),
+        # the held-out check: is best/ chosen on the evaluation split?
+        validation_files=(val_dataset or {}).get("data_files"),
     )  # fmt: skip
     inspect = (  # the checks see each pair's chosen answer
         training.preflight_printer(

@@ -61,7 +61,9 @@ CONFIG_KEYS = {
         None,
         "torchtune's own FSDP units: here embeddings/output go with the root",
     ),
-    "tensor_parallel_plan": (None, "torchtune's TP plan component (refused: use ours)"),
+    "tensor_parallel_plan": (
+        None, "the plan of tensor_parallel_dim > 1 (default: base_llama_tp_plan)"
+    ),
     "data_parallel_shard_dim": (-1, "torchtune's FSDP mesh size: only -1 (all) here"),
     "data_parallel_replicate_dim": (1, "torchtune's HSDP replicas: only 1 here"),
     "checkpointer": ("required", "reads the base weights and writes the outputs"),
@@ -151,6 +153,8 @@ def train(cfg: DictConfig) -> list[dict]:
             entry.get("train_on_input", False)
             for entry in datasets.dataset_entries(cfg.dataset)
         ),
+        # the held-out check: is best/ chosen on the evaluation split?
+        validation_files=(val_dataset or {}).get("data_files"),
     )  # fmt: skip
     inspect = (  # prints the report on rank 0, from the unsharded model
         training.preflight_printer(
@@ -161,7 +165,8 @@ def train(cfg: DictConfig) -> list[dict]:
     )
     model = training.load_sharded_model(
         build_model, checkpointer, rank, device, dtype, inspect=inspect,
-        mesh=mesh, **sharding,
+        mesh=mesh, tp_plan=config.instantiate(cfg.get("tensor_parallel_plan")),
+        **sharding,
     )
     loss_fn = training.prepare_loss(config.instantiate(cfg.get("loss")), model)
     trained = [p for p in model.parameters() if p.requires_grad]

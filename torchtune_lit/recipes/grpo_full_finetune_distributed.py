@@ -58,7 +58,7 @@ CONFIG_KEYS = {
         None,
         "torchtune's own FSDP units: here embeddings/output go with the root",
     ),
-    "tensor_parallel_plan": (None, "torchtune's TP plan component (refused: use ours)"),
+    "tensor_parallel_plan": (None, "used with tensor_parallel_dim > 1 (refused here)"),
     "checkpointer": ("required", "reads the base weights and writes the outputs"),
     "optimizer": (None, "the optimizer component"),
     "lr_scheduler": (None, "the learning-rate schedule component"),

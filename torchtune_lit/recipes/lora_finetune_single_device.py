@@ -157,6 +157,8 @@ def train(cfg: DictConfig) -> list[dict]:
                 entry.get("train_on_input", False)
                 for entry in datasets.dataset_entries(cfg.dataset)
             ),
+            # the held-out check: is best/ chosen on the evaluation split?
+            validation_files=(val_dataset or {}).get("data_files"),
         )  # fmt: skip
         report = preflight.preflight_report(
             plan, model, tokenizer, loader.dataset, checkpointer

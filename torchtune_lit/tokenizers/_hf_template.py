@@ -58,27 +58,28 @@ def compile_chat_template(template: str):
     return env.from_string(template)
 
 # %% ../../nbs/42b_hf_chat_template.ipynb #95e4f84d
-def _template_text(config: dict, path: Path) -> str:
-    """The checkpoint's chat template: chat_template.jinja beside `path` (which
-    transformers prefers), else tokenizer_config.json's entry (a string, or the
-    "default" of a named list), else a processor's chat_template.json."""
+def _template_text(config: dict, path: Path) -> tuple[str, str]:
+    """The checkpoint's chat template and the file it came from: chat_template.jinja
+    beside `path` (which transformers prefers), else tokenizer_config.json's entry (a
+    string, or the "default" of a named list), else a processor's chat_template.json."""
     jinja = path.with_name("chat_template.jinja")
     as_json = path.with_name("chat_template.json")
-    template = config.get("chat_template")
+    template, source = config.get("chat_template"), path
     if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
         named = {t["name"]: t["template"] for t in template}
         template = named.get("default")
     if jinja.is_file():
-        template = jinja.read_text()
+        template, source = jinja.read_text(), jinja
     elif not template and as_json.is_file():
         template = json.loads(as_json.read_text()).get("chat_template")
+        source = as_json
     if not template:
         raise ValueError(
             f"{path} has no chat_template (nor is there a chat_template.jinja or "
             ".json beside it); use the model family's tokenizer (e.g. "
             "torchtune_lit.models.llama3_2.llama3_tokenizer) or pass chat_template=..."
         )
-    return template
+    return template, str(source)
 
 
 def _token_text(value: Any) -> str:
@@ -200,9 +201,13 @@ class HuggingFaceModelTokenizer:
             tokenizer_config_json_path=config_path,
             generation_config_path=generation_config_path,
         )
-        self.template = compile_chat_template(
-            chat_template or _template_text(config, config_path)
+        # where the template came from: a refusal of it names the file
+        template, self.template_source = (
+            (chat_template, "the chat_template argument")
+            if chat_template
+            else _template_text(config, config_path)
         )
+        self.template = compile_chat_template(template)
         self.special_tokens = {  # the names templates use, as transformers passes them
             name: _token_text(config.get(name))
             for name in ("bos_token", "eos_token", "unk_token", "pad_token")

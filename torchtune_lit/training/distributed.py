@@ -19,7 +19,7 @@ import torchtune_lit.training.sharding as sharding
 
 from ..modules.low_precision.nf4 import is_nf4
 from . import preflight
-from .checkpointing import load_lora_model
+from .checkpointing import find_nonfinite, load_lora_model
 from .memory import compile_model, set_activation_checkpointing
 
 # %% ../../nbs/78_distributed_parts.ipynb #42f50ce1
@@ -29,11 +29,13 @@ def _shard(
     activation_checkpointing: bool = False,
     compile: bool = False,
     reshard_after_forward: bool = True,
+    tp_plan: Optional[dict[str, Any]] = None,
 ) -> torch.nn.Module:
-    """Tensor parallelism over `mesh`'s tp dimension (when given), activation
-    checkpointing and compilation, then FSDP2 (over the dp dimension)."""
+    """Tensor parallelism over `mesh`'s tp dimension (when given; by `tp_plan`, default
+    `base_llama_tp_plan`), activation checkpointing and compilation, then FSDP2 (over
+    the dp dimension)."""
     if mesh is not None:
-        sharding.parallelize_decoder(model, mesh["tp"])
+        sharding.parallelize_decoder(model, mesh["tp"], tp_plan)
     if activation_checkpointing:
         set_activation_checkpointing(model)
     if compile:
@@ -57,12 +59,13 @@ def load_sharded_model(
     activation_checkpointing: bool = False,
     compile: bool = False,
     reshard_after_forward: bool = True,
+    tp_plan: Optional[dict[str, Any]] = None,
 ) -> torch.nn.Module:
     """Build the model (`build_model()`) on the meta device, shard it, and fill each
     rank's shards from the checkpoint that only rank 0 reads. Without checkpoint files
     (training from scratch) every rank builds the same seeded initialisation instead.
     `prepare(model)` (QAT's fake quantization) runs on the unsharded model, before
-    sharding; `mesh` is the (dp, tp) mesh of tensor parallelism.
+    sharding; `mesh` is the (dp, tp) mesh of tensor parallelism, `tp_plan` its plan.
     """
     full_state = checkpointer.load_checkpoint()["model"] if rank == 0 else {}
     from_scratch = [rank == 0 and not full_state]
@@ -78,7 +81,7 @@ def load_sharded_model(
     if prepare is not None:
         model = prepare(model)
     model = _shard(
-        model, mesh, activation_checkpointing, compile, reshard_after_forward
+        model, mesh, activation_checkpointing, compile, reshard_after_forward, tp_plan
     )
     if not from_scratch[0]:
         sharding.load_from_full_state_dict(model, full_state, device)
@@ -199,6 +202,19 @@ def resume_sharded(
         state["epoch"], state["steps_into_epoch"], state["step"], state["rng"]
     )
 
+# %% ../../nbs/78_distributed_parts.ipynb #5f1a7c02
+def _nonfinite_shards(model: torch.nn.Module) -> Optional[str]:
+    """`find_nonfinite` of this rank's shards of `model`'s weights, agreed by every rank
+    (a collective): the first failing rank's finding, naming that rank, or None."""
+    local = {
+        name: t.to_local() if hasattr(t, "to_local") else t  # a DTensor's own shard
+        for name, t in model.state_dict().items()
+    }
+    found: list[Optional[str]] = [None] * dist.get_world_size()
+    dist.all_gather_object(found, find_nonfinite(local))
+    first = next((r for r, bad in enumerate(found) if bad), None)
+    return None if first is None else f"{found[first]} in rank {first}'s shard"
+
 
 def save_sharded_step(
     model: torch.nn.Module,
@@ -213,7 +229,16 @@ def save_sharded_step(
 ) -> None:
     """Write a sharded `step_{step}` checkpoint of model, optimizer, schedule and
     position (a collective: every rank calls it); rank 0 keeps the newest `keep_last`.
-    """
+    Weights with NaN or Inf on any rank are refused on every rank, before anything is
+    written."""
+    bad = _nonfinite_shards(model)
+    if bad:
+        raise FloatingPointError(
+            f"not saving step_{step} (epoch {epoch}): the weights contain {bad}, so "
+            "the run diverged; lower optimizer.lr, set clip_grad_norm, or check the "
+            "data for empty or corrupt samples. Nothing was written; the earlier "
+            "checkpoints are kept."
+        )
     state = {
         "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler else None,
         "epoch": epoch,

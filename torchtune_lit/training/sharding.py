@@ -21,6 +21,7 @@ from torchtune_lit.training.atomic import (
     temporary_folder,
 )
 
+from ..models.llama3 import base_llama_tp_plan
 from .checkpointing import CheckpointError, check_state_dict
 from .resume import capture_rng_state, load_recipe_state
 
@@ -208,20 +209,16 @@ def device_mesh(device: torch.device, world_size: int, tensor_parallel_dim: int 
     return init_device_mesh(device.type, shape, mesh_dim_names=("dp", "tp"))
 
 
-def parallelize_decoder(model: nn.Module, tp_mesh: Any) -> nn.Module:
-    """Megatron-style tensor parallelism over `tp_mesh` for every layer: q, k, v, w1
-    and w3 column-wise, the attention output and w2 row-wise; the attention modules
+def parallelize_decoder(
+    model: nn.Module, tp_mesh: Any, plan: Optional[dict[str, Any]] = None
+) -> nn.Module:
+    """Megatron-style tensor parallelism over `tp_mesh` by `plan` (module name pattern
+    -> ParallelStyle; default `models.llama3.base_llama_tp_plan()`: q, k, v, w1 and w3
+    column-wise, the attention output and w2 row-wise); the attention modules then
     keep their local share of the heads. In place; returns `model`."""
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
+    from torch.distributed.tensor.parallel import parallelize_module
 
     size = tp_mesh.size()
-    columns = ("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.w1", "mlp.w3")
-    plan = {name: ColwiseParallel() for name in columns}
-    plan |= {name: RowwiseParallel() for name in ("attn.output_proj", "mlp.w2")}
     for layer in model.layers:
         attn = layer.attn
         if attn.num_heads % size or attn.num_kv_heads % size:
@@ -229,7 +226,8 @@ def parallelize_decoder(model: nn.Module, tp_mesh: Any) -> nn.Module:
                 f"tensor_parallel_dim={size} must divide the query heads "
                 f"({attn.num_heads}) and key/value heads ({attn.num_kv_heads})."
             )
-        parallelize_module(layer, tp_mesh, plan)
-        attn.num_heads //= size
-        attn.num_kv_heads //= size
+    parallelize_module(model, tp_mesh, base_llama_tp_plan() if plan is None else plan)
+    for layer in model.layers:
+        layer.attn.num_heads //= size
+        layer.attn.num_kv_heads //= size
     return model

@@ -4,10 +4,12 @@
 
 # %% auto #0
 __all__ = ['LLAMA3_SIZES', 'lora_llama3', 'lora_llama3_8b', 'qlora_llama3_8b', 'lora_llama3_70b', 'qlora_llama3_70b',
-           'scale_hidden_dim_for_mlp', 'llama3_mlp', 'llama3', 'llama3_8b', 'llama3_70b']
+           'scale_hidden_dim_for_mlp', 'llama3_mlp', 'llama3', 'llama3_8b', 'llama3_70b', 'base_llama_tp_plan']
 
 # %% ../../../nbs/21_llama3.ipynb #2a97cff0
-from typing import Optional
+from typing import Any, Optional
+
+from torch import nn
 
 from ...modules.transformer import TransformerDecoder
 from .._decoder_builder import build_mlp
@@ -79,3 +81,25 @@ lora_llama3_8b = lora_builder(llama3_8b, "lora_llama3_8b")
 qlora_llama3_8b = lora_builder(llama3_8b, "qlora_llama3_8b", quantize_base=True)
 lora_llama3_70b = lora_builder(llama3_70b, "lora_llama3_70b")
 qlora_llama3_70b = lora_builder(llama3_70b, "qlora_llama3_70b", quantize_base=True)
+
+# %% ../../../nbs/21_llama3.ipynb #21tp0002
+def base_llama_tp_plan(
+    model: Optional[nn.Module] = None,
+    *,
+    inference: bool = False,
+    enable_fp8_training: bool = False,
+) -> dict[str, Any]:
+    """The tensor-parallel plan of a decoder of this package: module name pattern ->
+    ParallelStyle, for `parallelize_module` (and `training.sharding.
+    parallelize_decoder`). `model` and `inference` do not change it."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if enable_fp8_training:
+        raise ValueError(
+            "enable_fp8_training: float8 training is not part of torchtune_lit; "
+            "drop it from the tensor_parallel_plan block."
+        )
+    columns = ("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.w1", "mlp.w3")
+    plan = {f"layers.*.{name}": ColwiseParallel() for name in columns}
+    rows = ("attn.output_proj", "mlp.w2")
+    return plan | {f"layers.*.{name}": RowwiseParallel() for name in rows}

@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['lora_qwen2', 'QWEN2_SPECIAL_TOKENS', 'QWEN2_SIZES', 'lora_qwen2_0_5b', 'lora_qwen2_1_5b', 'lora_qwen2_7b', 'qwen2',
-           'qwen2_tokenizer', 'qwen2_0_5b', 'qwen2_1_5b', 'qwen2_7b']
+           'qwen2_tokenizer', 'qwen2_0_5b', 'qwen2_1_5b', 'qwen2_7b', 'lora_qwen2_self_attention']
 
 # %% ../../../nbs/24_qwen2.ipynb #222b85c4
 from pathlib import Path
@@ -108,3 +108,65 @@ def qwen2_7b() -> TransformerDecoder:
 lora_qwen2_0_5b = lora_builder(qwen2_0_5b, "lora_qwen2_0_5b")
 lora_qwen2_1_5b = lora_builder(qwen2_1_5b, "lora_qwen2_1_5b")
 lora_qwen2_7b = lora_builder(qwen2_7b, "lora_qwen2_7b")
+
+# %% ../../../nbs/24_qwen2.ipynb #qsa00002
+from typing import Sequence
+
+from ...modules.attention import MultiHeadAttention
+from ...modules.peft import apply_lora
+
+# (q/k/v biases, q/k norms) -> the config.json model_type with that attention
+_ATTENTION_LAYOUTS = {(True, False): "qwen2", (False, True): "qwen3"}
+
+
+def lora_qwen2_self_attention(
+    lora_modules: Sequence[str],
+    *,
+    embed_dim: int,
+    num_heads: int,
+    num_kv_heads: int,
+    max_seq_len: int,
+    head_dim: Optional[int] = None,
+    attn_dropout: float = 0.0,
+    norm_eps: float = 1e-5,
+    rope_base: float = 1_000_000.0,
+    q_proj_bias: bool = True,
+    k_proj_bias: bool = True,
+    v_proj_bias: bool = True,
+    q_norm: bool = False,
+    k_norm: bool = False,
+    lora_rank: int,
+    lora_alpha: float,
+    lora_dropout: float = 0.0,
+    use_dora: bool = False,
+    quantize_base: bool = False,
+) -> MultiHeadAttention:
+    """Qwen's attention block with LoRA (DoRA) layers on the projections named in
+    `lora_modules`: layer 0's attention of a one-layer model adapted as `lora_qwen2`
+    adapts."""
+    if not lora_modules:
+        raise ValueError(
+            "Must pass one or more of ['q_proj', 'k_proj', 'v_proj', 'output_proj'] "
+            "as lora_modules (got none)."
+        )
+    biases, norms = {q_proj_bias, k_proj_bias, v_proj_bias}, {q_norm, k_norm}
+    layout = None
+    if len(biases) == len(norms) == 1:
+        layout = _ATTENTION_LAYOUTS.get((biases.pop(), norms.pop()))
+    if layout is None:
+        raise ValueError(
+            "q/k/v biases without q/k norms (Qwen 2) or q/k norms without biases "
+            "(Qwen 3) are supported; set the five switches to one of the two."
+        )
+    config = hf_config(
+        layout, vocab_size=1, num_layers=1, num_heads=num_heads,
+        num_kv_heads=num_kv_heads, embed_dim=embed_dim, intermediate_dim=embed_dim,
+        max_seq_len=max_seq_len, head_dim=head_dim, attn_dropout=attn_dropout,
+        norm_eps=norm_eps, rope_base=rope_base,
+    )  # fmt: skip
+    one_layer = apply_lora(
+        build_from_hf_config(config), lora_modules, lora_rank=lora_rank,
+        lora_alpha=lora_alpha, lora_dropout=lora_dropout, use_dora=use_dora,
+        quantize_base=quantize_base,
+    )  # fmt: skip
+    return one_layer.layers[0].attn

@@ -72,13 +72,6 @@ from typing import Callable, Optional
 
 from torch.utils.checkpoint import checkpoint
 
-from ..transformer import TransformerDecoder
-
-def _hidden_states(h: torch.Tensor) -> torch.Tensor:
-    "A decoder's projection step that returns its final hidden states unchanged."
-    return h
-
-
 def projected_cross_entropy(
     projection: Callable[[torch.Tensor], torch.Tensor],
     hidden: torch.Tensor,
@@ -121,10 +114,6 @@ class LinearCrossEntropyLoss(nn.Module):
         """Take `model.output` (and its logit soft-capping) into the loss and make
         `model` return its final hidden states.
         """
-        if isinstance(model, TransformerDecoder) and not hasattr(
-            model, "skip_output_layer"
-        ):  # a decoder without the switch: its projection step passes h through
-            model._logits = _hidden_states
         model.skip_output_layer = True
         self.linear_projection = model.output
         self.softcapping = getattr(model, "final_logit_softcapping", None)
