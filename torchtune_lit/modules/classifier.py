@@ -37,7 +37,6 @@ def classifier_model(
             f"{base_model_path} builds a model without an output layer to replace; "
             "give the path of a decoder builder."
         )
-    decoder.output = nn.Linear(
-        decoder.num_heads * decoder.head_dim, num_classes, bias=False
-    )
+    width = decoder.tok_embeddings.embedding_dim  # the hidden size the head reads
+    decoder.output = nn.Linear(width, num_classes, bias=False)
     return model

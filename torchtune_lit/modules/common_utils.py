@@ -27,7 +27,7 @@ def disable_kv_cache(model: nn.Module) -> Iterator[None]:
     up); the caches are switched back on, unchanged, on exit."""
     if not model.caches_are_setup():
         raise ValueError(
-            "Model caches must be setup before disable_kv_cache: call "
+            "Model caches must be set up before disable_kv_cache: call "
             "model.setup_caches(...) first."
         )
     layers = [m for m in _cache_layers(model) if m.kv_cache is not None]

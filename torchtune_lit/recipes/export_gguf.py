@@ -64,7 +64,7 @@ def export(cfg: DictConfig) -> Path:
     output_dir.mkdir(parents=True, exist_ok=True)
     name = cfg.get("outfile") or f"{folder.name}-{outtype}.gguf"
     path = write_gguf(folder, output_dir / name, outtype)
-    training.runs.record_in_enclosing_run(output_dir)  # e.g. run/gguf: the run's
+    training.runs.record_in_enclosing_run(output_dir)  # run/gguf: recorded in run
     return path
 
 
