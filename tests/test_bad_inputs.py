@@ -391,3 +391,14 @@ def test_a_killed_rank_ends_in_one_line_per_rank(tmp_path):
 
     claim_output_dir(out, resume=True, recipe="full_finetune_distributed")
     release_output_dir(out)
+
+
+@pytest.mark.parametrize("switch", ["quantize_base", "use_dora"])
+def test_lora_on_experts_refuses_what_experts_cannot_take(switch):
+    "NF4 (no grouped-expert form) and DoRA on a mixture of experts: one line naming the key, the layer and the fix."
+    from torchtune_lit.models.tiny import lora_tiny_moe_llama
+
+    with pytest.raises(ValueError, match=rf"^{switch}: layers\.0\.mlp is a mixture of experts") as refusal:
+        lora_tiny_moe_llama(lora_attn_modules=["q_proj", "v_proj"], apply_lora_to_mlp=True, lora_rank=4,
+                            lora_alpha=8, **{switch: True})
+    assert f"set {switch}=False" in str(refusal.value)

@@ -30,6 +30,9 @@ class ModelFamily:
     chat_format: Optional[str]
     # Hugging Face keys of fused projections -> the keys they split into, in order
     fused_keys: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # mixture of experts: Hugging Face's per-expert matrix (layer and expert written
+    # {}) -> our batched tensor of all the layer's experts [experts, in, out]
+    expert_keys: dict[str, str] = field(default_factory=dict)
 
 # %% ../../nbs/29_model_families.ipynb #282b75e3
 _COMMON_KEYS = {
@@ -77,6 +80,28 @@ _GEMMA3_KEYS = {
     **_GEMMA2_KEYS,
     "model.layers.{}.self_attn.q_norm.weight": "layers.{}.attn.q_norm.scale",
     "model.layers.{}.self_attn.k_norm.weight": "layers.{}.attn.k_norm.scale",
+}
+
+# %% ../../nbs/29_model_families.ipynb #58d487ee
+_EXPERTS = "layers.{}.mlp.experts."
+# Mixtral: Mistral's attention and norms; every MLP is a router and its experts
+_MIXTRAL_KEYS = {
+    **{hf: ours for hf, ours in _LLAMA_KEYS.items() if ".mlp." not in hf},
+    "model.layers.{}.block_sparse_moe.gate.weight": "layers.{}.mlp.router.gate.weight",
+}
+_MIXTRAL_EXPERTS = {
+    "model.layers.{}.block_sparse_moe.experts.{}.w1.weight": _EXPERTS + "gate_proj",
+    "model.layers.{}.block_sparse_moe.experts.{}.w3.weight": _EXPERTS + "up_proj",
+    "model.layers.{}.block_sparse_moe.experts.{}.w2.weight": _EXPERTS + "down_proj",
+}
+# Qwen 3 MoE: Qwen 3's names (kept by its dense layers) and a router per MoE layer
+_QWEN3_MOE_KEYS = {
+    **_QWEN3_KEYS,
+    "model.layers.{}.mlp.gate.weight": "layers.{}.mlp.router.gate.weight",
+}
+_QWEN3_MOE_EXPERTS = {
+    f"model.layers.{{}}.mlp.experts.{{}}.{name}_proj.weight": _EXPERTS + f"{name}_proj"
+    for name in ("gate", "up", "down")
 }
 
 # %% ../../nbs/29_model_families.ipynb #31f7d94b
@@ -179,6 +204,57 @@ def _gemma3_settings(cfg: dict[str, Any]) -> dict[str, Any]:
     ]
     return _gemma2_settings({**cfg, "layer_types": layer_types}) | dict(qk_norm=True)
 
+# %% ../../nbs/29_model_families.ipynb #46447c07
+def _mixtral_settings(cfg: dict[str, Any]) -> dict[str, Any]:
+    "Mixtral: Mistral with 8 SwiGLU experts per layer, top 2 renormalised."
+    _check_swiglu(cfg, "mixtral")
+    if cfg.get("router_jitter_noise"):
+        raise NotImplementedError(
+            "mixtral with router_jitter_noise > 0 (noise on the router's input while "
+            "training) is not supported; set it to 0.0."
+        )
+    num_experts = cfg.get("num_local_experts", 8)
+    per_token = cfg.get("num_experts_per_tok", 2)
+    _check_routing(num_experts, per_token, "num_local_experts")
+    return dict(
+        sliding_window=cfg.get("sliding_window"),
+        num_experts=num_experts,
+        experts_per_token=per_token,
+        moe_intermediate_dim=cfg.get("intermediate_size", 14_336),
+        route_norm=True,
+    )
+
+
+def _check_routing(num_experts: int, per_token: int, experts_key: str) -> None:
+    "Refuse a config.json whose tokens would pick more experts than a layer has."
+    if not 1 <= per_token <= num_experts:
+        raise ValueError(
+            f"config.json num_experts_per_tok={per_token} must be between 1 and "
+            f"{experts_key}={num_experts}; fix the config."
+        )
+
+
+def _qwen3_moe_settings(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Qwen 3 MoE: Qwen 3's attention; experts on every `decoder_sparse_step`-th layer
+    not in `mlp_only_layers`, renormalised when `norm_topk_prob`."""
+    # transformers 5 writes num_experts as num_local_experts
+    num_experts = cfg.get("num_experts", cfg.get("num_local_experts", 128))
+    if num_experts > 0:
+        _check_routing(num_experts, cfg.get("num_experts_per_tok", 8), "num_experts")
+    step, dense = cfg.get("decoder_sparse_step", 1), set(cfg.get("mlp_only_layers", []))
+    moe_layers = [
+        i
+        for i in range(cfg["num_hidden_layers"])
+        if num_experts > 0 and i not in dense and (i + 1) % step == 0
+    ]
+    return _qwen3_settings(cfg) | dict(
+        num_experts=num_experts,
+        experts_per_token=cfg.get("num_experts_per_tok", 8),
+        moe_intermediate_dim=cfg.get("moe_intermediate_size", 768),
+        route_norm=bool(cfg.get("norm_topk_prob", False)),
+        moe_layers=moe_layers,
+    )
+
 # %% ../../nbs/29_model_families.ipynb #9e0ecd11
 MODEL_FAMILIES = {
     family.hf_model_type: family
@@ -252,6 +328,24 @@ MODEL_FAMILIES = {
             tied_by_default=True,
             decoder_settings=_gemma3_settings,
             chat_format="GemmaFormat",
+        ),
+        ModelFamily(
+            hf_model_type="mixtral",
+            tune_model_types={"MIXTRAL": "mixtral"},
+            key_map=_MIXTRAL_KEYS,
+            tied_by_default=False,
+            decoder_settings=_mixtral_settings,
+            chat_format="MistralFormat",
+            expert_keys=_MIXTRAL_EXPERTS,
+        ),
+        ModelFamily(
+            hf_model_type="qwen3_moe",
+            tune_model_types={"QWEN3_MOE": "qwen3_moe"},
+            key_map=_QWEN3_MOE_KEYS,
+            tied_by_default=False,
+            decoder_settings=_qwen3_moe_settings,
+            chat_format="ChatMLFormat",
+            expert_keys=_QWEN3_MOE_EXPERTS,
         ),
     )
 }

@@ -138,7 +138,8 @@ def _long_rope(
 # %% ../../nbs/31_hf_config.ipynb #ceac9780
 def build_from_hf_config(path_or_dict: Union[str, Path, dict]) -> TransformerDecoder:
     """The decoder that a Hugging Face `config.json` (path, folder or dict) describes:
-    Llama 3.x, Mistral, Qwen 2/2.5/3, Phi-3/4, Gemma 2 or Gemma 3 (text).
+    Llama 3.x, Mistral, Qwen 2/2.5/3, Phi-3/4, Gemma 2, Gemma 3 (text), Mixtral or
+    Qwen 3 MoE.
     """
     cfg = read_hf_config(path_or_dict)
     model_type = cfg.get("model_type")
@@ -191,6 +192,9 @@ TUNE_TO_HF_NAMES = {
     "sliding_window_size": "sliding_window",
     "hidden_capping_value": "attn_logit_softcapping",
     "final_capping_value": "final_logit_softcapping",
+    "num_experts": "num_local_experts",  # as transformers 5 writes it (Qwen 3 MoE too)
+    "experts_per_token": "num_experts_per_tok",
+    "moe_intermediate_dim": "moe_intermediate_size",
 }
 
 

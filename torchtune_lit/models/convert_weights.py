@@ -4,8 +4,8 @@
 
 # %% auto #0
 __all__ = ['KEY_MAPS', 'PEFT_MODULE_NAMES', 'permute_hf_to_meta', 'permute_meta_to_hf', 'CheckpointConversionError',
-           'split_fused', 'fuse_split', 'hf_to_tune', 'tune_to_hf', 'head_and_rotary_dims', 'hf_conversion_dims',
-           'tune_to_peft_adapter_weights', 'tune_to_peft_adapter_config']
+           'split_fused', 'fuse_split', 'stack_experts', 'unstack_experts', 'hf_to_tune', 'tune_to_hf',
+           'head_and_rotary_dims', 'hf_conversion_dims', 'tune_to_peft_adapter_weights', 'tune_to_peft_adapter_config']
 
 # %% ../../nbs/30_convert_weights.ipynb #11144b44
 import re
@@ -177,6 +177,64 @@ def fuse_split(
         fused[key] = torch.cat([parts[i] for i in range(expected)])
     return fused
 
+# %% ../../nbs/30_convert_weights.ipynb #7a564a0f
+def _expert_patterns(model_type: str) -> list[tuple[re.Pattern, str]]:
+    "The family's per-expert Hugging Face keys as regexes (layer, expert) -> our key."
+    family = MODEL_FAMILIES.get(model_type)
+    expert_keys = family.expert_keys if family is not None else {}
+    return [
+        (re.compile(re.escape(theirs).replace(r"\{\}", r"(\d+)")), ours)
+        for theirs, ours in expert_keys.items()
+    ]
+
+
+def stack_experts(
+    state_dict: dict[str, torch.Tensor], model_type: str
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Gather a checkpoint's per-expert matrices [out, in] into our batched expert
+    tensors [experts, in, out]: (the other keys, the stacked tensors under our keys)."""
+    patterns = _expert_patterns(model_type)
+    rest, groups = {}, {}
+    for key, value in state_dict.items():
+        found = ((p.fullmatch(key), ours) for p, ours in patterns)
+        match, ours = next(((m, o) for m, o in found if m), (None, None))
+        if match is None:
+            rest[key] = value
+            continue
+        layer, expert = match.groups()
+        groups.setdefault(ours.format(layer), {})[int(expert)] = value
+    stacked = {}
+    for key, experts in groups.items():
+        if sorted(experts) != list(range(len(experts))):
+            raise CheckpointConversionError(
+                f"{key}: the checkpoint holds experts {sorted(experts)}, not 0 to "
+                f"{len(experts) - 1}; a file of the checkpoint is missing or damaged."
+            )
+        first = experts[0]
+        stacked[key] = first.new_empty((len(experts), *first.T.shape))
+        for e, weight in experts.items():
+            stacked[key][e].copy_(weight.T)
+    return rest, stacked
+
+
+def unstack_experts(
+    state_dict: dict[str, torch.Tensor], model_type: str
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Inverse of `stack_experts`: (the other keys, each expert's matrix [out, in]
+    under its Hugging Face key)."""
+    family = MODEL_FAMILIES.get(model_type)
+    reverse = {} if family is None else {o: t for t, o in family.expert_keys.items()}
+    rest, unstacked = {}, {}
+    for key, value in state_dict.items():
+        generic, layer = _generic(key)
+        if generic not in reverse:
+            rest[key] = value
+            continue
+        # one transposing copy per layer, then a tensor of its own per expert
+        for e, weight in enumerate(value.transpose(1, 2).contiguous().unbind(0)):
+            unstacked[reverse[generic].format(layer, e)] = weight.clone()
+    return rest, unstacked
+
 # %% ../../nbs/30_convert_weights.ipynb #c2552103
 def hf_to_tune(
     state_dict: dict[str, torch.Tensor],
@@ -199,7 +257,8 @@ def hf_to_tune(
     """
     table, head_dim = _key_map(model_type), head_dim or dim // num_heads
     state_dict = split_fused(state_dict, model_type, num_heads, num_kv_heads, head_dim)
-    converted, unknown = {}, []
+    state_dict, converted = stack_experts(state_dict, model_type)
+    unknown = []
     for key, value in state_dict.items():
         if _IGNORED_HF_KEYS.match(key) or (
             tie_word_embeddings and key == "lm_head.weight"
@@ -237,7 +296,8 @@ def tune_to_hf(
     """
     reverse = {ours: theirs for theirs, ours in _key_map(model_type).items()}
     head_dim = head_dim or dim // num_heads
-    converted, unknown = {}, []
+    state_dict, converted = unstack_experts(state_dict, model_type)
+    unknown = []
     for key, value in state_dict.items():
         new_key = _translate(key, reverse)
         if new_key is None:

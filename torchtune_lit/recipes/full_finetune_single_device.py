@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import torchtune_lit.config as config
 import torchtune_lit.datasets as datasets
+import torchtune_lit.modules.moe as moe
 import torchtune_lit.training as training
 import torchtune_lit.training.metric_logging as metric_logging
 import torchtune_lit.training.preflight as preflight
@@ -58,6 +59,10 @@ CONFIG_KEYS = {
     "optimizer": ("required", "the optimizer component"),
     "lr_scheduler": (None, "the learning-rate schedule component"),
     "loss": (None, "the loss component"),
+    "router_aux_loss_coef": (
+        0.02,
+        "MoE models: weight of the routers' load-balancing loss (0: off)",
+    ),
     "batch_size": ("required", "samples per micro-batch (per process)"),
     "epochs": ("required", "passes over the training set"),
     "max_steps_per_epoch": (None, "cap on optimizer steps per epoch (null: no cap)"),
@@ -164,6 +169,9 @@ def train(cfg: DictConfig) -> list[dict]:
     lr_scheduler = config.instantiate(  # None without one
         cfg.get("lr_scheduler"), optimizer, num_training_steps=total_steps
     )
+    # MoE models: the routers' load-balancing loss joins the loss (dense models: none)
+    routers = [m for m in model.modules() if isinstance(m, moe.TokenChoiceTopKRouter)]
+    aux_coef = cfg.get("router_aux_loss_coef", 0.02) if routers else 0.0
 
     # 3. resume from the newest step checkpoint if asked; the run's log and progress
     resumed = None  # the recipe state of the step checkpoint resumed from
@@ -212,6 +220,12 @@ def train(cfg: DictConfig) -> list[dict]:
                 logits = model(batch["tokens"], **extra)
                 labels = training.shift_labels(batch["labels"])
                 loss, tokens = training.summed_loss(loss_fn, logits, labels)
+                if aux_coef:  # Switch Transformer's balance term, once per token
+                    aux = moe.load_balancing_loss(  # over every position of the batch
+                        moe.collect_router_logits(model),
+                        routers[0].num_experts, routers[0].experts_per_token,
+                    )  # fmt: skip
+                    loss = loss + aux_coef * aux * tokens
             if in_backward:  # each parameter steps as its gradient completes: the mean
                 training.check_loss_is_finite(loss.item() / max(tokens, 1), step)
                 (loss / max(tokens, 1)).backward()

@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import torchtune_lit.config as config
 import torchtune_lit.datasets as datasets
+import torchtune_lit.modules.moe as moe
 import torchtune_lit.modules.peft as peft
 import torchtune_lit.training as training
 import torchtune_lit.training.metric_logging as metric_logging
@@ -64,6 +65,10 @@ CONFIG_KEYS = {
     "optimizer": ("required", "the optimizer component"),
     "lr_scheduler": (None, "the learning-rate schedule component"),
     "loss": (None, "the loss component"),
+    "router_aux_loss_coef": (
+        0.02,
+        "MoE models: weight of the routers' load-balancing loss (0: off)",
+    ),
     "batch_size": ("required", "samples per micro-batch (per process)"),
     "epochs": ("required", "passes over the training set"),
     "max_steps_per_epoch": (None, "cap on optimizer steps per epoch (null: no cap)"),
@@ -171,6 +176,9 @@ def train(cfg: DictConfig) -> list[dict]:
     lr_scheduler = config.instantiate(  # None without one
         cfg.get("lr_scheduler"), optimizer, num_training_steps=total_steps
     )
+    # MoE models: the routers' load-balancing loss joins the loss (dense models: none)
+    routers = [m for m in model.modules() if isinstance(m, moe.TokenChoiceTopKRouter)]
+    aux_coef = cfg.get("router_aux_loss_coef", 0.02) if routers else 0.0
     trained = [p for p in model.parameters() if p.requires_grad]
     total = sum(p.numel() for p in model.parameters())
     adapters = sum(p.numel() for p in trained)
@@ -222,6 +230,12 @@ def train(cfg: DictConfig) -> list[dict]:
                 logits = model(batch["tokens"], **extra)
                 labels = training.shift_labels(batch["labels"])
                 loss, tokens = training.summed_loss(loss_fn, logits, labels)
+                if aux_coef:  # Switch Transformer's balance term, once per token
+                    aux = moe.load_balancing_loss(  # over every position of the batch
+                        moe.collect_router_logits(model),
+                        routers[0].num_experts, routers[0].experts_per_token,
+                    )  # fmt: skip
+                    loss = loss + aux_coef * aux * tokens
             if in_backward:  # each parameter steps as its gradient completes: the mean
                 training.check_loss_is_finite(loss.item() / max(tokens, 1), step)
                 (loss / max(tokens, 1)).backward()

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['AdapterModule', 'apply_lora', 'disable_adapter', 'get_adapter_config', 'get_adapter_params', 'get_adapter_state_dict',
            'get_lora_module_names', 'get_merged_lora_ckpt', 'lora_builder', 'lora_checkpoint', 'set_trainable_params',
-           'validate_missing_and_unexpected_for_lora', 'DoRALinear', 'LoRALinear']
+           'validate_missing_and_unexpected_for_lora', 'DoRALinear', 'LoRALinear', 'LoRAGroupedExperts']
 
 # %% ../../../nbs/59_peft_map.ipynb #0d92472b
 from torchtune_lit.modules.peft._utils import (
@@ -23,6 +23,7 @@ from torchtune_lit.modules.peft._utils import (
            validate_missing_and_unexpected_for_lora,
 )
 
+from ..moe import LoRAGroupedExperts
 from .dora import DoRALinear
 from .lora import LoRALinear
 
@@ -41,4 +42,5 @@ _all_ = [
     "validate_missing_and_unexpected_for_lora",
     "DoRALinear",
     "LoRALinear",
+    "LoRAGroupedExperts",
 ]

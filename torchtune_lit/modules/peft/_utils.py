@@ -15,6 +15,13 @@ from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
 import torch
 from torch import nn
 
+from torchtune_lit.modules.moe import (
+    LoRAGroupedExperts,
+    MoE,
+    lora_grouped_experts,
+    merge_lora_experts,
+)
+
 from ..low_precision.nf4 import FrozenNF4Linear, is_nf4
 from ..transformer import TiedLinear, TransformerDecoder
 from .dora import DoRALinear
@@ -98,8 +105,9 @@ def disable_adapter(model: nn.Module) -> Iterator[None]:
 # %% ../../../nbs/54_peft_utils.ipynb #f09cd2e4
 def get_adapter_config(model: nn.Module) -> dict[str, Any]:
     """PEFT's adapter settings (r, lora_alpha, use_dora, lora_dropout, target_modules)
-    read from the model's LoRA layers."""
-    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]
+    read from the model's LoRA layers (grouped experts with LoRA count as `experts`)."""
+    kinds = (LoRALinear, LoRAGroupedExperts)
+    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, kinds)]
     if not layers:
         raise ValueError(
             "the model has no LoRA layers, so there is no adapter to describe."
@@ -134,7 +142,7 @@ def get_merged_lora_ckpt(
     state_dict: dict[str, torch.Tensor], rank: int, alpha: float
 ) -> dict[str, torch.Tensor]:
     """A copy of `state_dict` with every LoRA / DoRA adapter merged into its base weight
-    and the adapter keys removed.
+    (grouped experts' adapters too) and the adapter keys removed.
     """
     merged = dict(state_dict)
     prefixes = [
@@ -157,18 +165,27 @@ def get_merged_lora_ckpt(
                 / torch.linalg.norm(adapted, dim=1, keepdim=True)
             )
         merged[f"{prefix}.weight"] = adapted
-    return merged
+    # experts: W [E, in, out] + (alpha / rank) A [E, in, r] @ B [E, r, out]
+    return merge_lora_experts(merged, rank, alpha)
 
 # %% ../../../nbs/54_peft_utils.ipynb #3061a012
 def lora_checkpoint(
     model: nn.Module, state_dict: Optional[dict[str, torch.Tensor]] = None
 ) -> dict[str, Any]:
     """{"model": merged weights, "adapter": adapter weights, "adapter_config": PEFT
-    settings} of a LoRA model, for the checkpointer."""
+    settings} of a LoRA model, for the checkpointer; only {"model": ...} when the
+    experts carry adapters (they have no PEFT form)."""
     state = model.state_dict() if state_dict is None else state_dict
     lora = get_adapter_config(model)
+    merged = get_merged_lora_ckpt(state, rank=lora["r"], alpha=lora["lora_alpha"])
+    if "experts" in lora["target_modules"]:
+        print(
+            "No PEFT adapter: LoRA on grouped experts has no PEFT form (transformers "
+            "fuses each layer's experts); the saved model has it merged."
+        )
+        return {"model": merged}
     return {
-        "model": get_merged_lora_ckpt(state, rank=lora["r"], alpha=lora["lora_alpha"]),
+        "model": merged,
         "adapter": get_adapter_state_dict(state),
         "adapter_config": lora,
     }
@@ -284,6 +301,31 @@ def _frozen_nf4(linear: nn.Linear) -> FrozenNF4Linear:
         layer.weight.copy_(linear.weight)
     return layer
 
+# %% ../../../nbs/54_peft_utils.ipynb #5e1a7c20
+def _adapt_moe(
+    moe: MoE,
+    index: int,
+    apply_lora_to_mlp: bool,
+    lora: tuple[int, float, float],
+    use_dora: bool,
+    quantize_base: bool,
+) -> Optional[nn.Module]:
+    """Give layer `index`'s experts LoRA (rank, alpha, dropout) in place when
+    `apply_lora_to_mlp`; return its shared expert (None without one)."""
+    if quantize_base:
+        raise ValueError(
+            f"quantize_base: layers.{index}.mlp is a mixture of experts, whose "
+            "GroupedExperts weights have no NF4 form; set quantize_base=False."
+        )
+    if apply_lora_to_mlp and use_dora:
+        raise ValueError(
+            f"use_dora: layers.{index}.mlp is a mixture of experts, whose experts "
+            "take LoRA only; set use_dora=False or apply_lora_to_mlp=False."
+        )
+    if apply_lora_to_mlp:
+        moe.experts = lora_grouped_experts(moe.experts, *lora)
+    return moe.shared_expert
+
 # %% ../../../nbs/54_peft_utils.ipynb #32d7023d
 def apply_lora(
     model: TransformerDecoder,
@@ -298,7 +340,7 @@ def apply_lora(
     quantize_base: bool = False,
 ) -> TransformerDecoder:
     """Replace the chosen linear layers of `model` by LoRA/DoRA layers with the same
-    weights (in place); returns `model`.
+    weights (in place), and grouped experts by `LoRAGroupedExperts`; returns `model`.
     """
     unknown = sorted(set(lora_attn_modules) - set(ATTN_MODULES))
     if unknown:
@@ -314,17 +356,23 @@ def apply_lora(
     make = lambda linear: _adapted(
         linear, lora_rank, lora_alpha, lora_dropout, use_dora, quantize_base
     )
-    for layer in model.layers:
+    for index, layer in enumerate(model.layers):
+        mlp = layer.mlp
+        if isinstance(mlp, MoE):  # its experts (refusals first); then a shared expert
+            lora = (lora_rank, lora_alpha, lora_dropout)
+            mlp = _adapt_moe(
+                mlp, index, apply_lora_to_mlp, lora, use_dora, quantize_base
+            )
+        for name in MLP_MODULES if mlp is not None else ():
+            if apply_lora_to_mlp:
+                setattr(mlp, name, make(getattr(mlp, name)))
+            elif quantize_base:
+                setattr(mlp, name, _frozen_nf4(getattr(mlp, name)))
         for name in ATTN_MODULES:
             if name in lora_attn_modules:
                 setattr(layer.attn, name, make(getattr(layer.attn, name)))
             elif quantize_base:
                 setattr(layer.attn, name, _frozen_nf4(getattr(layer.attn, name)))
-        for name in MLP_MODULES:
-            if apply_lora_to_mlp:
-                setattr(layer.mlp, name, make(getattr(layer.mlp, name)))
-            elif quantize_base:
-                setattr(layer.mlp, name, _frozen_nf4(getattr(layer.mlp, name)))
     if apply_lora_to_output:
         if isinstance(model.output, TiedLinear):
             raise ValueError(
