@@ -7,7 +7,7 @@ __all__ = ['left_pad_sequence', 'padded_collate', 'padded_collate_dpo', 'padded_
            'CROSS_ENTROPY_IGNORE_IDX', 'AlpacaToMessages', 'ChatMLTemplate', 'ChosenRejectedToMessages', 'ColumnError',
            'GrammarErrorCorrectionTemplate', 'InputOutputToMessages', 'MaskingStrategy', 'Message', 'OpenAIToMessages',
            'PromptTemplate', 'QuestionAnswerTemplate', 'ShareGPTToMessages', 'SummarizeTemplate', 'mask_messages',
-           'read_column', 'truncate', 'validate_messages']
+           'read_column', 'tool_call_function', 'truncate', 'validate_messages']
 
 # %% ../../nbs/48_data_map.ipynb #578f6890
 from torchtune_lit.data._collate import (
@@ -34,6 +34,7 @@ from torchtune_lit.data._messages import (
     SummarizeTemplate,
     mask_messages,
     read_column,
+    tool_call_function,
     truncate,
     validate_messages,
 )
@@ -60,6 +61,7 @@ _all_ = [
     "SummarizeTemplate",
     "mask_messages",
     "read_column",
+    "tool_call_function",
     "truncate",
     "validate_messages",
 ]

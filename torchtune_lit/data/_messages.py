@@ -4,8 +4,8 @@
 
 # %% auto #0
 __all__ = ['CROSS_ENTROPY_IGNORE_IDX', 'ROLES', 'ALPACA_PROMPT_WITH_INPUT', 'ALPACA_PROMPT_NO_INPUT',
-           'GrammarErrorCorrectionTemplate', 'SummarizeTemplate', 'QuestionAnswerTemplate', 'Message',
-           'validate_messages', 'MaskingStrategy', 'mask_messages', 'ColumnError', 'read_column',
+           'GrammarErrorCorrectionTemplate', 'SummarizeTemplate', 'QuestionAnswerTemplate', 'tool_call_function',
+           'Message', 'validate_messages', 'MaskingStrategy', 'mask_messages', 'ColumnError', 'read_column',
            'InputOutputToMessages', 'OpenAIToMessages', 'ShareGPTToMessages', 'ChosenRejectedToMessages',
            'AlpacaToMessages', 'PromptTemplate', 'truncate', 'ChatMLTemplate']
 
@@ -36,10 +36,38 @@ def _check_parts(parts: list) -> None:
             raise TypeError(f"message content part {i}: text parts hold a string.")
 
 
+def tool_call_function(call: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The {'name', 'arguments'} of a tool call: OpenAI's {'type': 'function',
+    'function': {...}}, or the inner dict itself."""
+    return call.get("function", call)
+
+
+def _check_tool_calls(role: str, tool_calls: Any) -> None:
+    "Refuse tool calls on a non-assistant message, or not in OpenAI's shape."
+    shape = "{'type': 'function', 'function': {'name': ..., 'arguments': {...}}}"
+    if role != "assistant":
+        raise ValueError(
+            f"a {role!r} message has tool_calls; only assistant messages call tools."
+        )
+    if not isinstance(tool_calls, list) or not tool_calls:
+        raise ValueError(
+            f"tool_calls={tool_calls!r}: give a non-empty list of {shape} (or None)."
+        )
+    for i, call in enumerate(tool_calls):
+        function = tool_call_function(call) if isinstance(call, Mapping) else None
+        if not (
+            isinstance(function, Mapping)
+            and isinstance(function.get("name"), str)
+            and "arguments" in function
+        ):
+            raise ValueError(f"tool call {i} is {call!r}; a tool call is {shape}.")
+
+
 @dataclass(repr=False)
 class Message:
     """One turn of a conversation. `masked`: its tokens are not trained on. `ipython`:
-    an assistant tool call. `eot`: the turn ends (end-of-turn token).
+    an assistant tool call. `eot`: the turn ends (end-of-turn token). `tool_calls`:
+    the functions an assistant message calls, in OpenAI's format.
     """
 
     role: str
@@ -47,6 +75,7 @@ class Message:
     masked: bool = False
     ipython: bool = False
     eot: bool = True
+    tool_calls: Optional[list[dict[str, Any]]] = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -67,6 +96,8 @@ class Message:
                 f"Only assistant messages can be tool calls. Found role {self.role} "
                 f"in message: {self.text_content} (set ipython=False)."
             )
+        if self.tool_calls is not None:
+            _check_tool_calls(self.role, self.tool_calls)
 
     @property
     def parts(self) -> list[dict[str, Any]]:
@@ -96,11 +127,13 @@ class Message:
             masked=d.get("masked", False),
             ipython=d.get("ipython", False),
             eot=d.get("eot", True),
+            tool_calls=d.get("tool_calls"),
         )
 
     def __repr__(self) -> str:
         contents = [p.get("content") for p in self.parts]
-        return f"Message(role={self.role!r}, content={contents!r})"
+        calls = f", tool_calls={self.tool_calls!r}" if self.tool_calls else ""
+        return f"Message(role={self.role!r}, content={contents!r}{calls})"
 
 # %% ../../nbs/41_messages.ipynb #c974d96d
 def validate_messages(messages: list[Message]) -> None:
@@ -285,7 +318,8 @@ class InputOutputToMessages:
 class OpenAIToMessages:
     """A row with a list of {'role', 'content'} dicts (OpenAI chat format) -> messages.
     A content may be a list of OpenAI parts ({'type': 'text', 'text'} or {'type':
-    'image_url', 'image_url': {'url'}}); tool results (role 'tool') stay in the turn.
+    'image_url', 'image_url': {'url'}}); `tool_calls` are kept; tool results (role
+    'tool' or 'ipython') stay in the turn.
     """
 
     def __init__(
@@ -319,11 +353,15 @@ class OpenAIToMessages:
     def __call__(self, row: Mapping[str, Any]) -> dict[str, list[Message]]:
         messages = []
         for m in read_column(row, "messages", self.column_map):
-            content = m["content"]
-            if isinstance(content, list):
+            content = m.get("content")
+            if content is None:  # a tool call's content is null in OpenAI's format
+                content = ""
+            elif isinstance(content, list):
                 content = self._convert_from_openai_content(content)
             tool_result = m["role"] in ("tool", "ipython")
-            messages.append(Message(m["role"], content, eot=not tool_result))
+            calls = m.get("tool_calls") or None  # [] means no call
+            message = Message(m["role"], content, eot=not tool_result, tool_calls=calls)
+            messages.append(message)
         mask_messages(messages, self.masking_strategy)
         return {"messages": _with_system(messages, self.new_system_prompt)}
 
@@ -407,7 +445,12 @@ class ChosenRejectedToMessages:
         out = {}
         for key in ("chosen", "rejected"):
             messages = [
-                Message(m["role"], m["content"])
+                Message(
+                    m["role"],
+                    m.get("content") or "",  # null beside a tool call
+                    eot=m["role"] not in ("tool", "ipython"),
+                    tool_calls=m.get("tool_calls") or None,
+                )
                 for m in read_column(row, key, self.column_map)
             ]
             mask_messages(messages, self.masking_strategy)
@@ -482,7 +525,9 @@ class PromptTemplate:
             else:
                 content = [{"type": "text", "content": before}, *m.content]
                 content += [{"type": "text", "content": after}]
-            out.append(Message(m.role, content, m.masked, m.ipython, m.eot))
+            out.append(
+                Message(m.role, content, m.masked, m.ipython, m.eot, m.tool_calls)
+            )
         return out
 
 

@@ -8,7 +8,8 @@ __all__ = ['BaseTokenizer', 'SentencePieceBaseTokenizer', 'TikTokenBaseTokenizer
            'MistralFormat', 'ModelTokenizer', 'tokenize_messages_no_special_tokens', 'llama3_tokenizer',
            'qwen2_5_tokenizer', 'tiny_tokenizer', 'gemma_tokenizer', 'mistral_tokenizer', 'CL100K_PATTERN',
            'Llama2ChatTemplate', 'TextTemplateTokenizer', 'llama2_tokenizer', 'PHI3_SPECIAL_TOKENS', 'Phi3Format',
-           'phi3_mini_tokenizer', 'HuggingFaceModelTokenizer', 'compile_chat_template']
+           'phi3_mini_tokenizer', 'llama3_tool_call_text', 'parse_llama3_tool_call', 'HuggingFaceModelTokenizer',
+           'compile_chat_template']
 
 # %% ../../nbs/47_tokenizers_map.ipynb #756470f5
 from torchtune_lit.tokenizers._base import (
@@ -34,7 +35,9 @@ from torchtune_lit.tokenizers._chat import (
            gemma_tokenizer,
            llama2_tokenizer,
            llama3_tokenizer,
+           llama3_tool_call_text,
            mistral_tokenizer,
+           parse_llama3_tool_call,
            phi3_mini_tokenizer,
            qwen2_5_tokenizer,
            tiny_tokenizer,
@@ -71,6 +74,8 @@ _all_ = [
     "PHI3_SPECIAL_TOKENS",
     "Phi3Format",
     "phi3_mini_tokenizer",
+    "llama3_tool_call_text",
+    "parse_llama3_tool_call",
     "HuggingFaceModelTokenizer",
     "compile_chat_template",
 ]

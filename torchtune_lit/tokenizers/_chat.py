@@ -4,13 +4,15 @@
 
 # %% auto #0
 __all__ = ['Segment', 'LLAMA3_PATTERN', 'CL100K_PATTERN', 'LLAMA3_SPECIAL_TOKENS', 'QWEN2_PATTERN', 'PHI3_SPECIAL_TOKENS',
-           'Special', 'Llama3Format', 'ChatMLFormat', 'GemmaFormat', 'MistralFormat', 'ModelTokenizer',
-           'Llama3Tokenizer', 'llama3_tokenizer', 'byte_level_bpe', 'qwen2_5_tokenizer', 'gemma_tokenizer',
-           'mistral_tokenizer', 'tiny_tokenizer', 'tokenize_messages_no_special_tokens', 'Llama2ChatTemplate',
-           'TextTemplateTokenizer', 'llama2_tokenizer', 'Phi3Format', 'phi3_mini_tokenizer']
+           'Special', 'Llama3Format', 'llama3_tool_call_text', 'parse_llama3_tool_call', 'ChatMLFormat', 'GemmaFormat',
+           'MistralFormat', 'ModelTokenizer', 'Llama3Tokenizer', 'llama3_tokenizer', 'byte_level_bpe',
+           'qwen2_5_tokenizer', 'gemma_tokenizer', 'mistral_tokenizer', 'tiny_tokenizer',
+           'tokenize_messages_no_special_tokens', 'Llama2ChatTemplate', 'TextTemplateTokenizer', 'llama2_tokenizer',
+           'Phi3Format', 'phi3_mini_tokenizer']
 
 # %% ../../nbs/42_chat_tokenizers.ipynb #19fc3fa6
 import importlib
+import json
 import re
 from dataclasses import dataclass
 from functools import partial
@@ -18,6 +20,12 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
 import torchtune_lit
+from torchtune_lit.data import (
+    Message,
+    PromptTemplate,
+    tool_call_function,
+    validate_messages,
+)
 from torchtune_lit.tokenizers._base import (
     HuggingFaceBaseTokenizer,
     SentencePieceBaseTokenizer,
@@ -25,7 +33,6 @@ from torchtune_lit.tokenizers._base import (
     _load_bpe_ranks,
 )
 
-from ..data import Message, PromptTemplate, validate_messages
 from ..modules.transforms.tokenizers import parse_hf_tokenizer_json
 
 # %% ../../nbs/42_chat_tokenizers.ipynb #9b497920
@@ -40,18 +47,21 @@ Segment = Union[str, Special]
 
 
 class Llama3Format:
-    "Llama 3 / 3.1 / 3.2 instruct format."
+    """Llama 3 / 3.1 / 3.2 instruct format; a tool call is written as Llama 3.1 writes
+    a call of a user-defined tool, a tool result under the `ipython` header."""
 
     bos, eos, end_of_turn = "<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"
     default_system_prompt = None
+    writes_tool_calls = True
 
     def message(self, m: Message) -> list[Segment]:
         end = [Special(self.end_of_turn)] if m.eot else []
+        text = llama3_tool_call_text(m) if m.tool_calls else m.text_content.strip()
         return [
             Special("<|start_header_id|>"),
-            m.role,
+            "ipython" if m.role == "tool" else m.role,
             Special("<|end_header_id|>"),
-            "\n\n" + m.text_content.strip(),
+            "\n\n" + text,
             *end,
         ]
 
@@ -62,6 +72,37 @@ class Llama3Format:
             Special("<|end_header_id|>"),
             "\n\n",
         ]
+
+# %% ../../nbs/42_chat_tokenizers.ipynb #b4946396
+def llama3_tool_call_text(m: Message) -> str:
+    """The text of an assistant's tool call as Llama 3.1's template writes a call of a
+    user-defined tool: {"name": ..., "parameters": <arguments as JSON>}."""
+    if len(m.tool_calls) != 1 or m.text_content.strip():
+        raise ValueError(
+            f"a Llama 3 tool-call message holds exactly one call and no text; got "
+            f"{len(m.tool_calls)} call(s) and text {m.text_content!r}: split it into "
+            "one message per call."
+        )
+    function = tool_call_function(m.tool_calls[0])
+    arguments = json.dumps(function["arguments"], ensure_ascii=False)
+    return f'{{"name": "{function["name"]}", "parameters": {arguments}}}'
+
+# %% ../../nbs/42_chat_tokenizers.ipynb #00231766
+def parse_llama3_tool_call(text: str) -> Optional[dict[str, Any]]:
+    """The OpenAI-style tool call ({'type': 'function', 'function': {'name',
+    'arguments'}}) in `text` written as Llama 3.1 writes a call, else None."""
+    try:
+        parsed = json.loads(text.strip())
+    except json.JSONDecodeError:
+        return None
+    if not (
+        isinstance(parsed, dict)
+        and set(parsed) == {"name", "parameters"}
+        and isinstance(parsed["name"], str)
+    ):
+        return None
+    function = {"name": parsed["name"], "arguments": parsed["parameters"]}
+    return {"type": "function", "function": function}
 
 # %% ../../nbs/42_chat_tokenizers.ipynb #8bc00499
 class ChatMLFormat:
@@ -236,6 +277,19 @@ def _refuse_media(messages: list[Message]) -> None:
                 "text-only; use a vision model's tokenizer or drop the image column."
             )
 
+
+def _refuse_tool_calls(messages: list[Message], chat_format: Any) -> None:
+    "Formats that write no tool calls: refuse a message that has them."
+    if getattr(chat_format, "writes_tool_calls", False):
+        return
+    for i, message in enumerate(messages):
+        if message.tool_calls:
+            raise ValueError(
+                f"message {i} calls a tool, but {type(chat_format).__name__} writes "
+                "no tool calls; use HuggingFaceModelTokenizer, which renders the "
+                "checkpoint's own chat template."
+            )
+
 # %% ../../nbs/42_chat_tokenizers.ipynb #724016c2
 class ModelTokenizer:
     """A base tokenizer plus a chat format: `tokenize_messages(messages) -> (tokens,
@@ -290,6 +344,7 @@ class ModelTokenizer:
         "(tokens, mask) for a conversation; mask[i]: token i is not trained on."
         validate_messages(messages)
         _refuse_media(messages)
+        _refuse_tool_calls(messages, self.chat_format)
         if self.prompt_template is not None:
             messages = self.prompt_template(messages)
         fmt = self.chat_format
@@ -313,7 +368,6 @@ class ModelTokenizer:
     def __call__(self, sample: dict[str, Any]) -> dict[str, Any]:
         tokens, mask = self.tokenize_messages(sample["messages"])
         return {**sample, "tokens": tokens, "mask": mask}
-
 
 # %% ../../nbs/42_chat_tokenizers.ipynb #7670414d
 def _base_tokenizer(path: Union[str, Path], tiktoken_kwargs: Optional[dict] = None):
@@ -573,6 +627,7 @@ def tokenize_messages_no_special_tokens(
 ) -> tuple[list[int], list[bool]]:
     """(tokens, mask): BOS (when given) where a turn starts, each message's text, EOS
     (when given) after each assistant message that ends its turn."""
+    _refuse_tool_calls(messages, None)  # text only: no format writes the calls
     tokens, mask, turn_starts = [], [], True
     for i, message in enumerate(messages):
         if turn_starts and bos_id is not None:

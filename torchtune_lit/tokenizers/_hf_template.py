@@ -8,6 +8,7 @@ __all__ = ['compile_chat_template', 'HuggingFaceModelTokenizer']
 # %% ../../nbs/42b_hf_chat_template.ipynb #c5d25b5a
 import json
 from datetime import datetime
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
@@ -124,7 +125,8 @@ def _found_span(
     marker; what comes before and after the marker is what surrounds the answer. The
     span runs through `end_of_turn` (the end-of-turn token's text) when it follows."""
     marker = "\u2063answer\u2063"
-    marked = [dict(t, content=marker) if j == i else t for j, t in enumerate(turns)]
+    marker_turn = {"role": "assistant", "content": marker}  # no tool_calls: all of it
+    marked = [marker_turn if j == i else t for j, t in enumerate(turns)]
     with_marker = render(marked, add_generation_prompt)
     before, _, after = with_marker.partition(marker)
     fits = marker in with_marker and len(before) + len(after) <= len(text)
@@ -169,6 +171,19 @@ def _trained_spans(
     return spans
 
 # %% ../../nbs/42b_hf_chat_template.ipynb #0f73dd32
+def _as_turns(messages: list[Message]) -> list[dict]:
+    """Messages as transformers hands them to a template: role ('ipython' written
+    'tool'), text content, and `tool_calls` only on a message that calls tools."""
+    turns = []
+    for m in messages:
+        role = "tool" if m.role == "ipython" else m.role
+        turn = {"role": role, "content": m.text_content}
+        if m.tool_calls:
+            turn["tool_calls"] = m.tool_calls
+        turns.append(turn)
+    return turns
+
+
 def _dropped_system(turns: list[dict], text: str) -> bool:
     "Whether the rendered `text` leaves out a system message of `turns`."
     return any(
@@ -189,6 +204,7 @@ class HuggingFaceModelTokenizer:
         max_seq_len: Optional[int] = None,
         chat_template: Optional[str] = None,
         template_kwargs: Optional[dict] = None,
+        tools: Optional[list[dict]] = None,
     ) -> None:
         _check_max_seq_len(max_seq_len)
         path = Path(tokenizer_json_path)
@@ -215,15 +231,23 @@ class HuggingFaceModelTokenizer:
         self.bos_token = self.special_tokens["bos_token"]
         self.eos_token = self.special_tokens["eos_token"]
         self.template_kwargs = dict(template_kwargs or {})
+        self.tools = tools  # the JSON schemas of the tools every sample may call
         self.max_seq_len, self.vocab_size = max_seq_len, self.base.vocab_size
         self.bos_id, self.eos_id = self.base.bos_id, self.base.eos_id
         self.eot_id = _end_of_turn_id(self.render, self.base)
         self._warned_dropped_system = False
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-        "The template's text for `messages` ({'role', 'content'} dicts)."
+    def render(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = False,
+        tools: Optional[list[dict]] = None,
+    ) -> str:
+        """The template's text for `messages` ({'role', 'content'[, 'tool_calls']}
+        dicts), with `tools` (JSON schemas; default: the tokenizer's)."""
         return self.template.render(
             messages=messages, add_generation_prompt=add_generation_prompt,
+            tools=self.tools if tools is None else tools, documents=None,
             **self.special_tokens, **self.template_kwargs,
         )  # fmt: skip
 
@@ -232,11 +256,14 @@ class HuggingFaceModelTokenizer:
         messages: list[Message],
         add_end_tokens: bool = True,
         add_generation_prompt: bool = False,
+        tools: Optional[list[dict]] = None,
     ) -> tuple[list[int], list[bool]]:
-        "(tokens, mask) of a conversation; mask[i]: token i is not trained on."
+        """(tokens, mask) of a conversation; mask[i]: token i is not trained on.
+        `tools`: the JSON schemas the template lists (default: the tokenizer's)."""
         validate_messages(messages)
-        turns = [{"role": m.role, "content": m.text_content} for m in messages]
-        text = self.render(turns, add_generation_prompt)
+        turns = _as_turns(messages)
+        render = partial(self.render, tools=tools)
+        text = render(turns, add_generation_prompt)
         if _dropped_system(turns, text) and not self._warned_dropped_system:
             self._warned_dropped_system = True  # once per tokenizer
             print(
@@ -251,7 +278,7 @@ class HuggingFaceModelTokenizer:
             else self.base.tokenizer.id_to_token(self.eot_id)
         )
         spans = _trained_spans(
-            self.render, turns, masked, text, add_generation_prompt, end_of_turn
+            render, turns, masked, text, add_generation_prompt, end_of_turn
         )
         encoding = self.base.tokenizer.encode(text, add_special_tokens=False)
         mask = [
@@ -273,6 +300,9 @@ class HuggingFaceModelTokenizer:
         return self.base.decode(token_ids, **kwargs)
 
     def __call__(self, sample: dict[str, Any]) -> dict[str, Any]:
-        "A dataset row with `messages` -> the row with `tokens` and `mask` added."
-        tokens, mask = self.tokenize_messages(sample["messages"])
+        """A dataset row with `messages` (and, optionally, its own `tools`) -> the row
+        with `tokens` and `mask` added."""
+        tokens, mask = self.tokenize_messages(
+            sample["messages"], tools=sample.get("tools")
+        )
         return {**sample, "tokens": tokens, "mask": mask}
