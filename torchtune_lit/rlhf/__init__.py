@@ -6,8 +6,9 @@
 __all__ = ['CROSS_ENTROPY_IGNORE_IDX', 'get_batch_log_probs', 'ChosenRejectedOutputs', 'concatenated_forward',
            'mismatched_completions', 'Rollout', 'completion_log_probs', 'group_advantages', 'sample_groups',
            'estimate_advantages', 'get_rewards_ppo', 'masked_mean', 'masked_sum', 'masked_var', 'masked_whiten',
-           'token_values', 'truncate_sequence_at_first_stop_token', 'whiten', 'bradley_terry_loss',
-           'reward_model_state_dict', 'save_reward_model', 'sequence_scores', 'tiny_llama_reward', 'with_score_head']
+           'token_values', 'truncate_sequence_at_first_stop_token', 'whiten', 'RLOOLoss', 'kl_penalized_rewards',
+           'leave_one_out_advantages', 'bradley_terry_loss', 'reward_model_state_dict', 'save_reward_model',
+           'sequence_scores', 'tiny_llama_reward', 'with_score_head']
 
 # %% ../../nbs/62_rlhf.ipynb #15eecfd1
 from dataclasses import dataclass
@@ -150,6 +151,11 @@ from torchtune_lit.rlhf._reward import (
     tiny_llama_reward,
     with_score_head,
 )
+from torchtune_lit.rlhf._rloo import (
+    RLOOLoss,
+    kl_penalized_rewards,
+    leave_one_out_advantages,
+)
 
 _all_ = [
     "Rollout",
@@ -165,6 +171,9 @@ _all_ = [
     "token_values",
     "truncate_sequence_at_first_stop_token",
     "whiten",
+    "RLOOLoss",
+    "kl_penalized_rewards",
+    "leave_one_out_advantages",
     "bradley_terry_loss",
     "reward_model_state_dict",
     "save_reward_model",

@@ -4,7 +4,8 @@
 
 # %% auto #0
 __all__ = ['CEWithChunkedOutputLoss', 'LinearCrossEntropyLoss', 'ForwardKLLoss', 'ForwardKLWithChunkedOutputLoss',
-           'ReverseKLLoss', 'ReverseKLWithChunkedOutputLoss', 'SymmetricKLLoss', 'SymmetricKLWithChunkedOutputLoss']
+           'GeneralizedJSDLoss', 'GeneralizedJSDWithChunkedOutputLoss', 'ReverseKLLoss',
+           'ReverseKLWithChunkedOutputLoss', 'SymmetricKLLoss', 'SymmetricKLWithChunkedOutputLoss']
 
 # %% ../../../nbs/69_loss_map.ipynb #de7a5497
 from torchtune_lit.modules.loss.ce_chunked_output_loss import (
@@ -14,6 +15,8 @@ from torchtune_lit.modules.loss.ce_chunked_output_loss import (
 from torchtune_lit.modules.loss.kd_losses import (
     ForwardKLLoss,
     ForwardKLWithChunkedOutputLoss,
+    GeneralizedJSDLoss,
+    GeneralizedJSDWithChunkedOutputLoss,
     ReverseKLLoss,
     ReverseKLWithChunkedOutputLoss,
     SymmetricKLLoss,
@@ -25,6 +28,8 @@ _all_ = [
     "LinearCrossEntropyLoss",
     "ForwardKLLoss",
     "ForwardKLWithChunkedOutputLoss",
+    "GeneralizedJSDLoss",
+    "GeneralizedJSDWithChunkedOutputLoss",
     "ReverseKLLoss",
     "ReverseKLWithChunkedOutputLoss",
     "SymmetricKLLoss",

@@ -4,9 +4,12 @@
 
 # %% auto #0
 __all__ = ['ForwardKLLoss', 'ReverseKLLoss', 'SymmetricKLLoss', 'ForwardKLWithChunkedOutputLoss',
-           'ReverseKLWithChunkedOutputLoss', 'SymmetricKLWithChunkedOutputLoss']
+           'ReverseKLWithChunkedOutputLoss', 'SymmetricKLWithChunkedOutputLoss', 'GeneralizedJSDLoss',
+           'GeneralizedJSDWithChunkedOutputLoss']
 
 # %% ../../../nbs/61_kd_losses.ipynb #de2b855a
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -188,3 +191,76 @@ class SymmetricKLWithChunkedOutputLoss(_ChunkedKD):
         super().__init__(
             SymmetricKLLoss(sym_kl_ratio, ignore_index), num_output_chunks, ignore_index
         )
+
+# %% ../../../nbs/61_kd_losses.ipynb #5c0a2078
+def _kl_from_log_probs(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
+    "KL(a||b) = sum_v a_v (log a_v - log b_v) per position; a token of a_v = 0 adds 0."
+    terms = log_a.exp() * (log_a - log_b)
+    return terms.masked_fill(torch.isinf(log_a), 0.0).sum(-1)
+
+
+def _generalized_jsd_terms(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    beta: float,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """JSD_beta(p||q) per position between the teacher p and the student q (logits
+    divided by `temperature`), in fp32; beta 0: KL(p||q), beta 1: KL(q||p).
+    """
+    log_q = F.log_softmax(student_logits.float() / temperature, dim=-1)
+    log_p = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
+    if beta == 0.0:
+        return _kl_from_log_probs(log_p, log_q)
+    if beta == 1.0:
+        return _kl_from_log_probs(log_q, log_p)
+    log_m = torch.logaddexp(log_p + math.log(beta), log_q + math.log1p(-beta))
+    return beta * _kl_from_log_probs(log_p, log_m) + (1 - beta) * _kl_from_log_probs(
+        log_q, log_m
+    )
+
+# %% ../../../nbs/61_kd_losses.ipynb #775e287d
+class GeneralizedJSDLoss(nn.Module):
+    """GKD's generalized Jensen-Shannon divergence JSD_beta between teacher p and
+    student q, averaged over trained positions: beta 0 is KL(p||q), beta 1 KL(q||p),
+    both softmaxes at `temperature`.
+    """
+
+    def __init__(
+        self, beta: float = 0.5, temperature: float = 1.0, ignore_index: int = -100
+    ) -> None:
+        super().__init__()
+        if not 0.0 <= beta <= 1.0:
+            raise ValueError(f"GeneralizedJSDLoss: beta must be in [0, 1], got {beta}.")
+        if not temperature > 0.0:
+            raise ValueError(
+                f"GeneralizedJSDLoss: temperature must be > 0, got {temperature}."
+            )
+        self.beta, self.temperature = float(beta), float(temperature)
+        self.ignore_index = ignore_index
+
+    def forward(
+        self,
+        student_logits: torch.Tensor,
+        teacher_logits: torch.Tensor,
+        labels: torch.Tensor,
+        normalize: bool = True,
+    ) -> torch.Tensor:
+        terms = _generalized_jsd_terms(
+            student_logits, teacher_logits, self.beta, self.temperature
+        )
+        return _masked_mean(terms, labels, self.ignore_index, normalize)
+
+
+class GeneralizedJSDWithChunkedOutputLoss(_ChunkedKD):
+    "`GeneralizedJSDLoss` over lists of logit chunks."
+
+    def __init__(
+        self,
+        num_output_chunks: int = 8,
+        beta: float = 0.5,
+        temperature: float = 1.0,
+        ignore_index: int = -100,
+    ) -> None:
+        loss = GeneralizedJSDLoss(beta, temperature, ignore_index)
+        super().__init__(loss, num_output_chunks, ignore_index)
