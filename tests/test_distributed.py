@@ -230,3 +230,40 @@ def test_tensor_parallel_refuses_what_it_cannot_split(tmp_path):
                           "--config", "tiny/qat_distributed", "tensor_parallel_dim=2", f"output_dir={tmp_path / 'qat'}",
                           "max_steps_per_epoch=1"], capture_output=True, text=True, timeout=600)
     assert qat.returncode != 0 and "does not combine fake quantization with tensor parallelism" in qat.stderr
+
+
+def test_async_checkpoint_killed_in_flight_resumes_from_the_previous_one(tmp_path):
+    """enable_async_checkpointing=true: a step checkpoint is written in the background and finished (renamed into
+    place) at the next save or at the end of the run. 12 steps, a save every 4: step_4 is finished when step_8's save
+    starts, and step_8's stays in flight until the run ends. A run killed in that window (after step 9 is logged, four
+    steps wide) leaves step_4 whole and step_8 only as its hidden temporary folder; the resumed run starts from step_4
+    and logs the killed run's steps exactly."""
+    import os
+    import signal
+    import time
+    args = [TUNELIT, "run", "--nproc_per_node", "2", "--master_port", "29649", "full_finetune_distributed",
+            "--config", "tiny/full_distributed", "batch_size=2", "epochs=1", "max_steps_per_epoch=12",
+            "save_every_n_steps=4", "enable_async_checkpointing=true", "progress_bar=false", "preflight=false",
+            "~validation_dataset", f"output_dir={tmp_path}"]
+    process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log, deadline = tmp_path / "log.jsonl", time.time() + 300
+    while time.time() < deadline and not (log.is_file() and len(log.read_text().splitlines()) >= 9):
+        time.sleep(0.05)
+    for pid in [*descendants(process.pid), process.pid]:
+        os.kill(pid, signal.SIGKILL)
+    process.wait()
+    time.sleep(1.0)
+    killed = losses(log)
+    assert 9 <= len(killed) <= 11, killed                         # killed while step_8's save was in flight
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_4"]
+    assert (tmp_path / "step_4" / "recipe_state.pt").is_file()
+    assert (tmp_path / ".step_8.tmp-shared").is_dir()             # started, never finished
+    assert not (tmp_path / ".step_8.tmp-shared" / "recipe_state.pt").exists()
+
+    resumed = subprocess.run([*args, "resume_from_checkpoint=true"], capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "Resuming from" in resumed.stdout and "step_4" in resumed.stdout
+    again = losses(log)
+    assert len(again) == 12 and again[:len(killed)] == killed     # steps 5 on recomputed bit for bit
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_4", "step_8"]
+    assert not list(tmp_path.glob(".step_*"))                     # the stale temporary folder was cleaned up

@@ -53,9 +53,12 @@ def test_torchtune_components_and_paths(tmp_path):
 
 def test_keys_done_another_way(caplog):
     base = config.load_config("tiny/lora")
-    for key, value in (("fsdp_cpu_offload", "true"), ("low_cpu_ram", "true")):
-        with pytest.raises(ValueError, match=rf"^{key}=.*this package does not implement it"):
-            config.check_run_values(config.apply_overrides(base.copy(), [f"+{key}={value}"]))
+    with pytest.raises(ValueError, match=r"^low_cpu_ram=.*this package does not implement it"):
+        config.check_run_values(config.apply_overrides(base.copy(), ["+low_cpu_ram=true"]))
+    offload = config.apply_overrides(base.copy(), ["+fsdp_cpu_offload=true"])
+    with pytest.raises(ValueError, match=r"^fsdp_cpu_offload=true: this recipe does not implement it \(the dis"):
+        config.check_run_values(offload)  # a one-device recipe
+    config.check_run_values(offload, supported=("fsdp_cpu_offload",))  # the distributed ones
     for key in ("fsdp_cpu_offload=false", "low_cpu_ram=false", "data_parallel_shard_dim=-1",
                 "data_parallel_replicate_dim=1"):  # as torchtune's configs write them: what this package does
         config.check_run_values(config.apply_overrides(base.copy(), [f"+{key}"]))

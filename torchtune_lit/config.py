@@ -1055,14 +1055,18 @@ RUN_COUNTS = (  # whole numbers >= 1, or null where the recipe has a default
     "run_val_every_n_steps",
     "max_validation_batches",
 )
-# switches only some recipes implement; the others refuse them rather than ignore them
-OPTIONAL_FEATURES = ("optimizer_in_bwd", "enable_activation_offloading")
+# switches only some recipes implement (key -> which do); the others refuse them rather
+# than ignore them
+_SINGLE_DEVICE_TUNES = "the full, LoRA and QAT single-device fine-tunes do"
+OPTIONAL_FEATURES = {
+    "optimizer_in_bwd": _SINGLE_DEVICE_TUNES,
+    "enable_activation_offloading": _SINGLE_DEVICE_TUNES,
+    "fsdp_cpu_offload": "the distributed (FSDP2) recipes do",
+}
 # torchtune keys for what this package does another way: key -> (what the key does in
 # torchtune, what happens here); where "here" is None, a value other than null/false
 # is refused (a run that silently lacked it would use far more memory, or another plan)
 TORCHTUNE_ONLY_KEYS = {
-    "fsdp_cpu_offload": ("keeps FSDP's shards and optimizer states in CPU memory",
-                         None),
     "low_cpu_ram": ("saves QLoRA checkpoints with less CPU memory", None),
     "custom_sharded_layers": (
         "makes the named modules (embeddings, output) their own FSDP units",
@@ -1130,9 +1134,8 @@ def check_run_values(cfg: Any, supported: tuple[str, ...] = ()) -> None:
         logging.getLogger("torchtune_lit.config").info(
             f"{key}: in torchtune it {torchtune_does}; this recipe {here}."
         )
-    for key in OPTIONAL_FEATURES:
+    for key, who in OPTIONAL_FEATURES.items():
         if cfg.get(key, False) and key not in supported:
             raise ValueError(
-                f"{key}=true: this recipe does not implement it (the full, LoRA and "
-                f"QAT single-device fine-tunes do); drop {key}."
+                f"{key}=true: this recipe does not implement it ({who}); drop {key}."
             )

@@ -56,7 +56,10 @@ CONFIG_KEYS = {
     "validation_dataset": (None, "held-out dataset for val_loss and best/"),
     "dataset_val": (None, "torchtune's name for validation_dataset"),
     "batch_size_val": (None, "validation batch size (null: batch_size)"),
-    "fsdp_cpu_offload": (False, "torchtune's FSDP CPU offload: true is refused"),
+    "fsdp_cpu_offload": (
+        False,
+        "keep FSDP2's shards, gradients and optimizer states in host memory",
+    ),
     "custom_sharded_layers": (
         None,
         "torchtune's own FSDP units: here embeddings/output go with the root",
@@ -93,6 +96,10 @@ CONFIG_KEYS = {
     "resume_from_checkpoint": (False, "continue this run from its newest step_N"),
     "save_every_n_steps": (None, "write a step_N checkpoint this often"),
     "keep_last_n_checkpoints": (2, "step_N folders to keep"),
+    "enable_async_checkpointing": (
+        False,
+        "write step_N shards in the background, finished at the next save",
+    ),
     "run_val_every_n_steps": (None, "validation loss every N steps (null: per epoch)"),
     "max_validation_batches": (None, "cap on validation batches during training"),
 }
@@ -106,7 +113,8 @@ def train(cfg: DictConfig) -> list[dict]:
     val_dataset = cfg.get("validation_dataset") or cfg.get("dataset_val")
     val_batch_size = cfg.get("batch_size_val") or cfg.get("batch_size")
     # 1. join the process group; the (dp, tp) mesh when tensor parallelism is asked for
-    config.check_run_values(cfg)
+    # this recipe honours fsdp_cpu_offload (a one-device recipe refuses it)
+    config.check_run_values(cfg, supported=("fsdp_cpu_offload",))
     rank, world_size, device = training.init_distributed()
     dtype = training.get_dtype(cfg.dtype, device)
     training.set_seed(cfg.seed)
@@ -132,6 +140,7 @@ def train(cfg: DictConfig) -> list[dict]:
         activation_checkpointing=cfg.get("enable_activation_checkpointing", False),
         compile=cfg.get("compile", False),
         reshard_after_forward=cfg.get("reshard_after_forward", True),
+        cpu_offload=cfg.get("fsdp_cpu_offload", False),
     )
     tokenizer = config.instantiate(cfg.tokenizer)
     dataset = datasets.build_datasets(cfg.dataset, tokenizer, config.instantiate)
@@ -209,7 +218,7 @@ def train(cfg: DictConfig) -> list[dict]:
 
     # 4. the loop, on every rank: this rank's micro-batches, one step over all ranks
     val_every = cfg.get("run_val_every_n_steps", steps_per_epoch)
-    step = start.step
+    step, pending = start.step, None  # pending: an asynchronous save in flight
     for epoch, i, micro in batches:
         step, started, loss_sum, num_tokens = step + 1, time.perf_counter(), 0.0, 0
         for batch in micro:
@@ -249,13 +258,19 @@ def train(cfg: DictConfig) -> list[dict]:
         profiler.step()  # the schedule counts optimizer steps
         save_every = cfg.get("save_every_n_steps")
         if save_every and step % save_every == 0 and step < total_steps:
-            training.save_sharded_step(
+            # with enable_async_checkpointing the write goes on behind the next steps
+            pending = training.save_sharded_step(
                 model, optimizer, lr_scheduler, output_dir, epoch, i + 1, step, rank,
                 cfg.get("keep_last_n_checkpoints", 2),
+                async_save=cfg.get("enable_async_checkpointing", False),
+                pending=pending,
             )  # fmt: skip
 
     # 6. the end: gather the full weights (every rank), rank 0 writes them
     profiler.stop()  # writes a cycle still recording
+    training.finish_sharded_step(  # an asynchronous step checkpoint still in flight
+        pending, output_dir, rank, cfg.get("keep_last_n_checkpoints", 2)
+    )
     history = reporter.close() if reporter is not None else []
     training.save_final_sharded(model, checkpointer, cfg.epochs - 1, rank)
     dist.barrier()  # no rank leaves while rank 0 is still writing

@@ -52,7 +52,10 @@ CONFIG_KEYS = {
     "validation_dataset": (None, "held-out dataset for val_loss and best/"),
     "dataset_val": (None, "torchtune's name for validation_dataset"),
     "batch_size_val": (None, "validation batch size (null: batch_size)"),
-    "fsdp_cpu_offload": (False, "torchtune's FSDP CPU offload: true is refused"),
+    "fsdp_cpu_offload": (
+        False,
+        "keep FSDP2's shards, gradients and optimizer states in host memory",
+    ),
     "custom_sharded_layers": (
         None,
         "torchtune's own FSDP units: here embeddings/output go with the root",
@@ -110,7 +113,8 @@ def train(cfg: DictConfig) -> dict:
     val_dataset = cfg.get("validation_dataset") or cfg.get("dataset_val")
     val_batch_size = cfg.get("batch_size_val") or cfg.get("batch_size")
     # 1. join the process group; this rank's share of the data
-    config.check_run_values(cfg)
+    # this recipe honours fsdp_cpu_offload (a one-device recipe refuses it)
+    config.check_run_values(cfg, supported=("fsdp_cpu_offload",))
     rank, world_size, device = training.init_distributed()
     dtype = training.get_dtype(cfg.dtype, device)
     training.set_seed(cfg.seed)
@@ -132,6 +136,7 @@ def train(cfg: DictConfig) -> dict:
         activation_checkpointing=cfg.get("enable_activation_checkpointing", False),
         compile=cfg.get("compile", False),
         reshard_after_forward=cfg.get("reshard_after_forward", True),
+        cpu_offload=cfg.get("fsdp_cpu_offload", False),
     )
     tokenizer = config.instantiate(cfg.tokenizer)
     dataset = datasets.build_datasets(cfg.dataset, tokenizer, config.instantiate)

@@ -51,6 +51,10 @@ CONFIG_KEYS = {
         "clip the gradient norm to this value (null: no clipping)",
     ),
     "shuffle": (True, "shuffle the training set each epoch"),
+    "fsdp_cpu_offload": (
+        False,
+        "keep FSDP2's shards, gradients and optimizer states in host memory",
+    ),
     "overwrite": (False, "replace another run's outputs in output_dir"),
     "resume_from_checkpoint": (False, "continue this run from its newest step_N"),
     "save_every_n_steps": (None, "write a step_N checkpoint this often"),
@@ -65,7 +69,8 @@ CONFIG_KEYS = {
 def train(cfg: DictConfig) -> list[dict]:
     "Run on every process; returns process 0's step metrics (others: [])."
     # 1. join the group (every process seeded alike); the model and the prior, checked
-    config.check_run_values(cfg)
+    # this recipe honours fsdp_cpu_offload (a one-device recipe refuses it)
+    config.check_run_values(cfg, supported=("fsdp_cpu_offload",))
     rank, world_size, device = training.init_distributed()
     dtype = training.get_dtype(cfg.dtype, device)
     training.set_seed(cfg.seed)
@@ -88,7 +93,7 @@ def train(cfg: DictConfig) -> list[dict]:
     # FSDP2 warns that the logits are a view (nn.Linear reshapes its output); it matters
     # only for in-place edits of them, and table_loss edits them out of place
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view")
-    training.shard_model(model)
+    training.shard_model(model, cpu_offload=cfg.get("fsdp_cpu_offload", False))
     loader = training.sampled_loader(
         dataset, tabular.collate_tables, cfg.batch_size, cfg.seed,
         cfg.get("shuffle", True), rank, world_size,
