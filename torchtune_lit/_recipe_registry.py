@@ -76,6 +76,7 @@ def _full_finetune_recipes() -> list[Recipe]:
             configs=_configs(
                 "tiny/pretrain",
                 "tiny/full",
+                "tiny/tool_sft",
                 *[f"{name}_single_device" for name in _FULL_BOTH],
             ),
             supports_distributed=False,
@@ -99,7 +100,8 @@ _LORA_BOTH = [
 _LORA_SINGLE_ONLY = [
     "llama3_2/1B_qlora", "llama3_1/8B_qlora", "qwen3/8B_qlora", "gemma3/1B_lora",
     "gemma3/4B_lora", "phi4/14B_qlora", "mistral/nemo_12B_lora",
-    # torchtune's 70B_qlora is distributed; QLoRA under FSDP2 is not here yet
+    # torchtune's 70B_qlora is distributed; here its name maps to the one-device
+    # config (QLoRA under FSDP2 runs: tiny/lora_distributed with qlora_tiny_llama)
     "llama3_3/70B_qlora",
 ]
 # one-device configs that are new with torchtune's names (no old name to alias)
@@ -116,7 +118,9 @@ def _lora_recipes() -> list[Recipe]:
         Recipe(
             name="lora_finetune_single_device",
             file_path="lora_finetune_single_device.py",
-            configs=_configs("tiny/lora", "tiny/dora", "tiny/qlora", *single),
+            configs=_configs(
+                "tiny/lora", "tiny/dora", "tiny/qlora", "tiny/moe_lora", *single
+            ),
             supports_distributed=False,
         ),
         Recipe(
@@ -160,7 +164,7 @@ def _preference_recipes() -> list[Recipe]:
 # %% ../nbs/6b_recipe_registry.ipynb #5f0d185f
 def _rl_recipes() -> list[Recipe]:
     """GRPO with verifiable rewards (LoRA through the model builder; one or more
-    devices), the reward models that score answers, and PPO against one."""
+    devices), RLOO, the reward models that score answers, and PPO against one."""
     return [
         Recipe(
             name="grpo_full_finetune_single_device",
@@ -177,6 +181,12 @@ def _rl_recipes() -> list[Recipe]:
                 )
             ],
             supports_distributed=True,
+        ),
+        Recipe(
+            name="rloo_full_finetune_single_device",
+            file_path="rloo_full_finetune_single_device.py",
+            configs=[Config(name="tiny/rloo", file_path="tiny/rloo.yaml")],
+            supports_distributed=False,
         ),
         Recipe(
             name="reward_model_single_device",
@@ -254,6 +264,12 @@ def _more_recipes() -> list[Recipe]:
                 Config(name="tiny/kd_distributed", file_path="tiny/kd_distributed.yaml")
             ],
             supports_distributed=True,
+        ),
+        Recipe(
+            name="on_policy_distillation_single_device",
+            file_path="on_policy_distillation_single_device.py",
+            configs=[Config(name="tiny/gkd", file_path="tiny/gkd.yaml")],
+            supports_distributed=False,
         ),
         Recipe(
             name="eleuther_eval",

@@ -4,23 +4,23 @@
 
 # %% auto #0
 __all__ = ['memory', 'OffloadActivations', 'compile_loss', 'compile_model', 'estimate_training_memory',
-           'set_activation_checkpointing', 'metric_logging', 'get_memory_stats', 'preflight', 'device_mesh',
-           'gather_full_state_dict', 'init_distributed', 'shard_model', 'CheckpointError', 'FullModelHFCheckpointer',
-           'load_lora_model', 'load_model', 'load_model_for_eval', 'load_model_state_dict', 'StepReporter',
-           'save_final_sharded', 'load_sharded_lora_model', 'load_sharded_model', 'save_step_checkpoint',
-           'build_optimizer', 'step_weights', 'epoch_weights', 'preflight_printer', 'resume_sharded',
-           'save_sharded_step', 'DTYPES', 'JsonlLogger', 'capture_rng_state', 'check_loss_is_finite', 'ResumePosition',
-           'build_dataloader', 'prepare_loss', 'forward_loss', 'summed_loss', 'step_loss', 'clip_gradients',
-           'all_reduce_sum', 'resumable_batches', 'sampled_loader', 'build_validation_loader', 'get_device',
-           'get_dtype', 'cpu_bf16_slowdown', 'SLOW_CPU_BF16', 'latest_step_checkpoint', 'load_recipe_state',
-           'lr_schedulers', 'make_recipe_state', 'prune_step_checkpoints', 'read_jsonl', 'restore_rng_state',
-           'restore_training_state', 'resume_position', 'resume_state', 'save_run_config', 'scale_grads', 'set_seed',
-           'shift_labels', 'summed_cross_entropy', 'training_schedule', 'truncate_log', 'validation_loss', 'runs',
-           'atomic', 'claim_output_dir', 'FullModelMetaCheckpointer', 'FullModelTorchTuneCheckpointer',
-           'FormattedCheckpointFiles', 'get_cosine_schedule_with_warmup', 'get_lr', 'setup_torch_profiler',
-           'disable_dropout', 'get_unmasked_sequence_lengths', 'set_default_dtype', 'validate_expected_param_dtype',
-           'verify_bf16_support', 'create_optim_in_bwd_wrapper', 'OptimizerInBackwardWrapper',
-           'register_optim_in_bwd_hooks']
+           'release_memory_between_layers', 'set_activation_checkpointing', 'metric_logging', 'get_memory_stats',
+           'preflight', 'device_mesh', 'gather_full_state_dict', 'init_distributed', 'shard_model', 'CheckpointError',
+           'FullModelHFCheckpointer', 'load_lora_model', 'load_model', 'load_model_for_eval', 'load_model_state_dict',
+           'StepReporter', 'save_final_sharded', 'load_sharded_lora_model', 'load_sharded_model',
+           'save_step_checkpoint', 'build_optimizer', 'step_weights', 'epoch_weights', 'preflight_printer',
+           'resume_sharded', 'save_sharded_step', 'finish_sharded_step', 'DTYPES', 'JsonlLogger', 'capture_rng_state',
+           'check_loss_is_finite', 'ResumePosition', 'build_dataloader', 'prepare_loss', 'forward_loss', 'summed_loss',
+           'step_loss', 'clip_gradients', 'all_reduce_sum', 'resumable_batches', 'sampled_loader',
+           'build_validation_loader', 'get_device', 'get_dtype', 'cpu_bf16_slowdown', 'SLOW_CPU_BF16',
+           'latest_step_checkpoint', 'load_recipe_state', 'lr_schedulers', 'make_recipe_state',
+           'prune_step_checkpoints', 'read_jsonl', 'restore_rng_state', 'restore_training_state', 'resume_position',
+           'resume_state', 'save_run_config', 'scale_grads', 'set_seed', 'shift_labels', 'summed_cross_entropy',
+           'training_schedule', 'truncate_log', 'validation_loss', 'runs', 'atomic', 'claim_output_dir',
+           'FullModelMetaCheckpointer', 'FullModelTorchTuneCheckpointer', 'FormattedCheckpointFiles',
+           'get_cosine_schedule_with_warmup', 'get_lr', 'setup_torch_profiler', 'disable_dropout',
+           'get_unmasked_sequence_lengths', 'set_default_dtype', 'validate_expected_param_dtype', 'verify_bf16_support',
+           'create_optim_in_bwd_wrapper', 'OptimizerInBackwardWrapper', 'register_optim_in_bwd_hooks']
 
 # %% ../../nbs/79_training_map.ipynb #7132ef91
 from torchtune_lit.training import (
@@ -55,6 +55,7 @@ from torchtune_lit.training.distillation import (
            load_teacher,
 )
 from torchtune_lit.training.distributed import (
+           finish_sharded_step,
            load_sharded_lora_model,
            load_sharded_model,
            preflight_printer,
@@ -74,6 +75,7 @@ from torchtune_lit.training.memory import (
            create_optim_in_bwd_wrapper,
            estimate_training_memory,
            register_optim_in_bwd_hooks,
+           release_memory_between_layers,
            set_activation_checkpointing,
 )
 from torchtune_lit.training.metric_logging import (
@@ -145,6 +147,7 @@ _all_ = [
     "compile_loss",
     "compile_model",
     "estimate_training_memory",
+    "release_memory_between_layers",
     "set_activation_checkpointing",
     "metric_logging",
     "get_memory_stats",
@@ -170,6 +173,7 @@ _all_ = [
     "preflight_printer",
     "resume_sharded",
     "save_sharded_step",
+    "finish_sharded_step",
     "DTYPES",
     "JsonlLogger",
     "capture_rng_state",
