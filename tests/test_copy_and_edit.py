@@ -13,8 +13,8 @@ from pathlib import Path
 from safetensors.torch import load_file
 
 TUNELIT = str(Path(sys.executable).parent / "tunelit")
-LOSS_LINE = "            loss, tokens = training.summed_loss(loss_fn, logits, labels)\n"
-EDIT = "            loss = loss + 1000.0 * tokens  # my edit: a constant 1000 per trained token\n"
+LOSS_LINE = "loss, tokens = training.summed_loss(loss_fn, logits, labels)\n"
+EDIT = "loss = loss + 1000.0 * tokens  # my edit: a constant 1000 per trained token\n"
 
 
 def tunelit(*args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -28,9 +28,12 @@ def copy_and_edit(recipe: str, folder: Path) -> str:
     "`tunelit cp RECIPE my_recipe.py`, then add the constant after the loss line (which must appear exactly once)."
     tunelit("cp", recipe, "my_recipe.py", cwd=folder)
     path = folder / "my_recipe.py"
-    source = path.read_text()
-    assert source.count(LOSS_LINE) == 1, f"{recipe}: the loss line to edit is not in the copy exactly once"
-    path.write_text(source.replace(LOSS_LINE, LOSS_LINE + EDIT))
+    lines = path.read_text().splitlines(keepends=True)
+    found = [i for i, line in enumerate(lines) if line.strip() + "\n" == LOSS_LINE]
+    assert len(found) == 1, f"{recipe}: the loss line to edit is not in the copy exactly once"
+    indent = lines[found[0]][: len(lines[found[0]]) - len(lines[found[0]].lstrip())]
+    lines.insert(found[0] + 1, indent + EDIT)  # right after it, at its indentation
+    path.write_text("".join(lines))
     return "./my_recipe.py"
 
 

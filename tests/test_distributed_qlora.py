@@ -48,7 +48,7 @@ def qlora_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("qlora")
     run("lora_finetune_single_device", "--config", "tiny/lora", "batch_size=4", "preflight=false",
         f"output_dir={root / 'single'}", *QLORA_RUN)
-    launch = ["--nproc_per_node", "2", "--master_port", "29641", "lora_finetune_distributed", "--config",
+    launch = ["--nproc_per_node", "2", "--master_port", "29655", "lora_finetune_distributed", "--config",
               "tiny/lora_distributed", "batch_size=2", f"output_dir={root / 'multi'}", "save_every_n_steps=2",
               *QLORA_RUN]
     run(*launch)
