@@ -9,6 +9,7 @@ Saved weights: atol 2e-4, rtol 1e-3, the dense LoRA test's tolerance in test_dis
 merged model 3.7e-6; AdamW's normalised updates turn rounding-level gradient differences into ~lr * 1e-3 weight
 differences)."""
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +24,14 @@ QLORA = "model._component_=torchtune_lit.models.tiny.qlora_tiny_llama"
 
 def losses(log: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in log.read_text().splitlines()]
+
+
+def free_port() -> str:
+    """A port no other process listens on: under pytest-xdist this module's fixture can run on both workers at once,
+    and two launches on one fixed port would collide."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return str(probe.getsockname()[1])
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
@@ -48,7 +57,7 @@ def qlora_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("qlora")
     run("lora_finetune_single_device", "--config", "tiny/lora", "batch_size=4", "preflight=false",
         f"output_dir={root / 'single'}", *QLORA_RUN)
-    launch = ["--nproc_per_node", "2", "--master_port", "29655", "lora_finetune_distributed", "--config",
+    launch = ["--nproc_per_node", "2", "--master_port", free_port(), "lora_finetune_distributed", "--config",
               "tiny/lora_distributed", "batch_size=2", f"output_dir={root / 'multi'}", "save_every_n_steps=2",
               *QLORA_RUN]
     run(*launch)
