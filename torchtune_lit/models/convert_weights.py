@@ -79,6 +79,12 @@ class CheckpointConversionError(KeyError):
         return str(self.args[0])
 
 
+def _interleaved(model_type: str) -> bool:
+    "Whether the family's checkpoints keep q/k rows in our (Meta's) RoPE order."
+    family = MODEL_FAMILIES.get(model_type)
+    return family is not None and family.interleaved_rope
+
+
 def _key_map(model_type: str) -> dict[str, str]:
     if model_type not in KEY_MAPS:
         raise ValueError(
@@ -126,11 +132,15 @@ def split_fused(
 ) -> dict[str, torch.Tensor]:
     "Split the family's fused Hugging Face matrices into the keys they stand for."
     family = MODEL_FAMILIES.get(model_type)
-    if family is None or not family.fused_keys:
+    if family is None or not (family.fused_keys or family.fused_expert_keys):
         return state_dict
     split = {}
     for key, value in state_dict.items():
         generic, layer = _generic(key)
+        if generic in family.fused_expert_keys:  # [experts, in, parts x out]
+            parts = [p.format(layer) for p in family.fused_expert_keys[generic]]
+            split.update(zip(parts, value.chunk(len(parts), dim=-1)))
+            continue
         if generic not in family.fused_keys:
             split[key] = value
             continue
@@ -153,13 +163,10 @@ def fuse_split(
 ) -> dict[str, torch.Tensor]:
     "Inverse of `split_fused`: concatenate the parts back into the fused matrices."
     family = MODEL_FAMILIES.get(model_type)
-    if family is None or not family.fused_keys:
+    if family is None or not (family.fused_keys or family.fused_expert_keys):
         return state_dict
-    part_of = {
-        p: (whole, i)
-        for whole, ps in family.fused_keys.items()
-        for i, p in enumerate(ps)
-    }
+    wholes = {**family.fused_keys, **family.fused_expert_keys}
+    part_of = {p: (whole, i) for whole, ps in wholes.items() for i, p in enumerate(ps)}
     fused, pieces = {}, {}
     for key, value in state_dict.items():
         generic, layer = _generic(key)
@@ -169,12 +176,14 @@ def fuse_split(
         whole, index = part_of[generic]
         pieces.setdefault(whole.format(layer), {})[index] = value
     for key, parts in pieces.items():
-        expected = len(family.fused_keys[_generic(key)[0]])
+        expected = len(wholes[_generic(key)[0]])
         if len(parts) != expected:
             raise CheckpointConversionError(
                 f"{key} needs {expected} parts to be written, got {sorted(parts)}."
             )
-        fused[key] = torch.cat([parts[i] for i in range(expected)])
+        experts = _generic(key)[0] in family.fused_expert_keys  # fused on the last dim
+        dim = -1 if experts else 0
+        fused[key] = torch.cat([parts[i] for i in range(expected)], dim=dim)
     return fused
 
 # %% ../../nbs/30_convert_weights.ipynb #7a564a0f
@@ -269,7 +278,7 @@ def hf_to_tune(
             unknown.append(key)
             continue
         blocks = _rope_blocks(new_key, num_heads, num_kv_heads)
-        if blocks:
+        if blocks and not _interleaved(model_type):
             value = permute_hf_to_meta(value, blocks, head_dim, rotary_dim)
         converted[new_key] = value
     if unknown:
@@ -304,7 +313,7 @@ def tune_to_hf(
             unknown.append(key)
             continue
         blocks = _rope_blocks(key, num_heads, num_kv_heads)
-        if blocks:
+        if blocks and not _interleaved(model_type):
             value = permute_meta_to_hf(value, blocks, head_dim, rotary_dim)
         converted[new_key] = value
     if unknown:
@@ -385,7 +394,7 @@ def tune_to_peft_adapter_weights(
             )
         suffix = match.group(2)
         rope_rows = _ROPE_ROWS.search(f"{match.group(1)}.weight")
-        if rope_rows and suffix != "lora_a.weight":
+        if rope_rows and suffix != "lora_a.weight" and not _interleaved(model_type):
             value = permute_meta_to_hf(
                 value,
                 num_heads if rope_rows.group(1) == "q" else num_kv_heads,

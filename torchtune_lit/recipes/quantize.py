@@ -93,7 +93,9 @@ def load_quantized(path: Union[str, Path], quantizer: Any) -> torch.nn.Module:
     holding the saved weights.
     """
     path = Path(path)
-    model = quantize_model(models.build_from_hf_config(path.parent), quantizer)
+    # a multimodal checkpoint's text decoder: what load_model_for_eval quantized
+    decoder = models.build_from_hf_config(path.parent, text_only=True)
+    model = quantize_model(decoder, quantizer)
     state = torch.load(path, map_location="cpu", weights_only=True)
     training.checkpointing.check_state_dict(model.state_dict(), state)
     model.load_state_dict(state, assign=True)

@@ -5,11 +5,12 @@
 # %% auto #0
 __all__ = ['ATTN_MODULES', 'MLP_MODULES', 'AdapterModule', 'get_adapter_params', 'set_trainable_params', 'get_adapter_state_dict',
            'get_lora_module_names', 'disable_adapter', 'get_adapter_config', 'get_merged_lora_ckpt', 'lora_checkpoint',
-           'validate_missing_and_unexpected_for_lora', 'apply_lora', 'lora_builder']
+           'TrainableParams', 'validate_missing_and_unexpected_for_lora', 'apply_lora', 'lora_builder']
 
 # %% ../../../nbs/54_peft_utils.ipynb #d751aea2
 import contextlib
 import inspect
+from enum import Enum
 from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
 
 import torch
@@ -173,22 +174,24 @@ def lora_checkpoint(
     model: nn.Module, state_dict: Optional[dict[str, torch.Tensor]] = None
 ) -> dict[str, Any]:
     """{"model": merged weights, "adapter": adapter weights, "adapter_config": PEFT
-    settings} of a LoRA model, for the checkpointer; only {"model": ...} when the
-    experts carry adapters (they have no PEFT form)."""
+    settings} of a LoRA model, for the checkpointer (which writes expert adapters,
+    which have no PEFT form, to a file of their own beside the PEFT adapter)."""
     state = model.state_dict() if state_dict is None else state_dict
     lora = get_adapter_config(model)
     merged = get_merged_lora_ckpt(state, rank=lora["r"], alpha=lora["lora_alpha"])
-    if "experts" in lora["target_modules"]:
-        print(
-            "No PEFT adapter: LoRA on grouped experts has no PEFT form (transformers "
-            "fuses each layer's experts); the saved model has it merged."
-        )
-        return {"model": merged}
     return {
         "model": merged,
         "adapter": get_adapter_state_dict(state),
         "adapter_config": lora,
     }
+
+# %% ../../../nbs/54_peft_utils.ipynb #tp0c0002
+class TrainableParams(str, Enum):
+    "How a part of a multi-part model trains: all weights, adapters only, or none."
+
+    FULL = "full"
+    LORA = "lora"
+    FROZEN = "frozen"
 
 # %% ../../../nbs/54_peft_utils.ipynb #e2363d45
 def validate_missing_and_unexpected_for_lora(
@@ -364,6 +367,8 @@ def apply_lora(
                 mlp, index, apply_lora_to_mlp, lora, use_dora, quantize_base
             )
         for name in MLP_MODULES if mlp is not None else ():
+            if getattr(mlp, name) is None:  # e.g. CLIP's MLP: no gate projection
+                continue
             if apply_lora_to_mlp:
                 setattr(mlp, name, make(getattr(mlp, name)))
             elif quantize_base:
