@@ -4,10 +4,11 @@
 
 # %% auto #0
 __all__ = ['left_pad_sequence', 'padded_collate', 'padded_collate_dpo', 'padded_collate_packed', 'padded_collate_sft',
-           'CROSS_ENTROPY_IGNORE_IDX', 'AlpacaToMessages', 'ChatMLTemplate', 'ChosenRejectedToMessages', 'ColumnError',
-           'GrammarErrorCorrectionTemplate', 'InputOutputToMessages', 'MaskingStrategy', 'Message', 'OpenAIToMessages',
-           'PromptTemplate', 'QuestionAnswerTemplate', 'ShareGPTToMessages', 'SummarizeTemplate', 'mask_messages',
-           'read_column', 'tool_call_function', 'truncate', 'validate_messages']
+           'padded_collate_tiled_images_and_mask', 'CROSS_ENTROPY_IGNORE_IDX', 'AlpacaToMessages', 'ChatMLTemplate',
+           'ChosenRejectedToMessages', 'ColumnError', 'GrammarErrorCorrectionTemplate', 'InputOutputToMessages',
+           'MaskingStrategy', 'Message', 'OpenAIToMessages', 'PromptTemplate', 'QuestionAnswerTemplate',
+           'ShareGPTToMessages', 'SummarizeTemplate', 'mask_messages', 'read_column', 'tool_call_function', 'truncate',
+           'validate_messages']
 
 # %% ../../nbs/48_data_map.ipynb #578f6890
 from torchtune_lit.data._collate import (
@@ -16,6 +17,7 @@ from torchtune_lit.data._collate import (
     padded_collate_dpo,
     padded_collate_packed,
     padded_collate_sft,
+    padded_collate_tiled_images_and_mask,
 )
 from torchtune_lit.data._messages import (
     CROSS_ENTROPY_IGNORE_IDX,
@@ -45,6 +47,7 @@ _all_ = [
     "padded_collate_dpo",
     "padded_collate_packed",
     "padded_collate_sft",
+    "padded_collate_tiled_images_and_mask",
     "CROSS_ENTROPY_IGNORE_IDX",
     "AlpacaToMessages",
     "ChatMLTemplate",

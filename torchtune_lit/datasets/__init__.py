@@ -7,7 +7,8 @@ __all__ = ['PreferenceDataset', 'SFTDataset', 'TextCompletionDataset', 'chat_dat
            'text_completion_dataset', 'PackedDataset', 'tiny_tokenizer', 'ConcatDataset', 'alpaca_dataset',
            'alpaca_cleaned_dataset', 'slimorca_dataset', 'samsum_dataset', 'grammar_dataset',
            'cnn_dailymail_articles_dataset', 'wikitext_dataset', 'stack_exchange_paired_dataset',
-           'hh_rlhf_helpful_dataset', 'load_rows', 'build_datasets', 'dataset_entries', 'shared_setting']
+           'hh_rlhf_helpful_dataset', 'load_rows', 'build_datasets', 'dataset_entries', 'shared_setting', 'multimodal',
+           'tiny_shapes_vqa_dataset']
 
 # %% ../../nbs/49_datasets_map.ipynb #b4af56cf
 from torchtune_lit.datasets._builders import (
@@ -37,7 +38,9 @@ from torchtune_lit.datasets._named import (
 )
 
 from ..tokenizers import tiny_tokenizer
+from . import multimodal
 from ._packed import PackedDataset
+from ._tiny_vision import tiny_shapes_vqa_dataset
 
 _all_ = [
     "PreferenceDataset",
@@ -63,4 +66,6 @@ _all_ = [
     "build_datasets",
     "dataset_entries",
     "shared_setting",
+    "multimodal",
+    "tiny_shapes_vqa_dataset",
 ]

@@ -354,6 +354,43 @@ class MultiHeadAttention(nn.Module):
             return None
         return packed_document_spans(mask, positions)
 
+    # the keys and values: from y, or cached
+    def _new_keys_values(
+        self, y: torch.Tensor, positions: Optional[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        "k, v of `y` [b, kv_heads, s_y, head_dim]: projected, normed, rotated."
+        b, s_y, _ = y.shape
+        k = self.k_proj(y).view(b, s_y, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(y).view(b, s_y, self.num_kv_heads, self.head_dim)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        if self.pos_embeddings is not None:
+            k = self.pos_embeddings(k, input_pos=positions)
+        return k.transpose(1, 2), v.transpose(1, 2)
+
+    def _keys_values(
+        self, y: Optional[torch.Tensor], b: int, positions: Optional[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values to attend to: those of `y`, appended to the cache when
+        it is on (then all it holds so far), or — `y` None — the cached ones."""
+        if y is None:  # a cross-attention layer's decoding step
+            if self._cache.size == 0:
+                raise ValueError(
+                    "cross-attention with y=None reads the cached encoder keys, but "
+                    "the cache is empty: pass the encoder output as y first."
+                )
+            filled = self._cache.size
+            return (
+                self._cache.k_cache[:b, :, :filled],
+                self._cache.v_cache[:b, :, :filled],
+            )
+        k, v = self._new_keys_values(y, positions)
+        if self._cache is None:
+            return k, v
+        k, v = self._cache.update(k, v)
+        filled = self._cache.size
+        return k[:, :, :filled], v[:, :, :filled]
+
     # the forward pass
     def forward(
         self,
@@ -364,17 +401,18 @@ class MultiHeadAttention(nn.Module):
         input_pos: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """`x` is [batch, seq, embed_dim]; keys and values come from `y` when given,
-        else from `x`. `mask` is boolean [batch, seq, seq_kv], True where a query may
-        attend (default: causal); `input_pos` holds token positions for RoPE and for
-        causality under a KV cache or sliding window.
+        else from `x` — or, in a cross-attention layer (not causal) whose cache is on,
+        from the encoder's keys and values cached at the first step. `mask` is boolean
+        [batch, seq, seq_kv], True where a query may attend (default: causal);
+        `input_pos` holds token positions for RoPE and for causality under a KV cache
+        or sliding window.
         """
         b, s, _ = x.shape
-        y = x if y is None else y
+        if y is None and (self._cache is None or self.is_causal):
+            y = x  # self-attention
         q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)
-        k = self.k_proj(y).view(b, y.shape[1], self.num_kv_heads, self.head_dim)
-        v = self.v_proj(y).view(b, y.shape[1], self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q = self.q_norm(q)
         positions = input_pos
         # decoding: continue after what the cache holds
         if positions is None and self._cache is not None:
@@ -383,16 +421,10 @@ class MultiHeadAttention(nn.Module):
             )
         if self.pos_embeddings is not None:
             q = self.pos_embeddings(q, input_pos=positions)
-            k = self.pos_embeddings(k, input_pos=positions)
-        # [b, heads, seq, head_dim]
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        if self._cache is not None:
-            # append, then keep what the cache holds so far; the mask is cut to match
-            k, v = self._cache.update(k, v)
-            filled = self._cache.size
-            k, v = k[:, :, :filled], v[:, :, :filled]
-            if mask is not None:
-                mask = mask[..., :filled]
+        q = q.transpose(1, 2)  # [b, heads, seq, head_dim]
+        k, v = self._keys_values(y, b, positions)
+        if mask is not None and self._cache is not None:
+            mask = mask[..., : k.shape[2]]  # cut to the keys the cache holds
         # one new token after all the cached ones (no mask or positions given) may see
         # every key: no mask to build
         whole_cache = self._cache is not None and s == 1 and input_pos is None

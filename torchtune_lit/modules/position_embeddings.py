@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['rope_table', 'RotaryPositionalEmbeddings', 'Llama3ScaledRoPE', 'LinearScaledRoPE', 'longrope_attention_factor',
-           'LongRoPE']
+           'LongRoPE', 'VisionRotaryPositionalEmbeddings']
 
 # %% ../../nbs/11_position_embeddings.ipynb #621a6ef2
 from typing import Optional
@@ -225,3 +225,69 @@ class LongRoPE(RotaryPositionalEmbeddings):
                 stacklevel=2,
             )
         return self.long_cache
+
+# %% ../../nbs/11_position_embeddings.ipynb #h1vr02py
+from typing import Any
+
+class VisionRotaryPositionalEmbeddings(nn.Module):
+    """2-D RoPE for image patches (axial RoPE, Heo et al., 2024), as Llama 4's vision
+    encoder uses it: the first half of each head's rotated pairs turn with the patch's
+    column, the second half with its row (both counted from 1), every tile alike.
+
+    `dim` is the head dimension; each axis uses `dim // 4` frequencies
+    base^(-4i/dim). The CLS token (last of a tile when `append_cls_token`, else
+    first) is not rotated. Call on `x` [b, s, heads, dim] with s a multiple of the
+    tokens per tile ((tile_size // patch_size)^2 + 1).
+    """
+
+    def __init__(
+        self,
+        patch_size: int,
+        tile_size: int,
+        dim: int,
+        base: int = 10_000,
+        append_cls_token: bool = True,
+    ) -> None:
+        super().__init__()
+        if dim % 4:
+            raise ValueError(
+                f"2-D RoPE splits each head into x and y pairs: dim must be a "
+                f"multiple of 4, got {dim}."
+            )
+        self.patch_grid_size = tile_size // patch_size
+        self.seq_len = self.patch_grid_size**2 + 1
+        self.dim, self.base, self.append_cls_token = dim, base, append_cls_token
+        self.rope_init()
+
+    def rope_init(self) -> None:
+        half = self.dim // 2
+        theta = 1.0 / (self.base ** (torch.arange(0, half, 2).float() / half))
+        self.register_buffer("theta", theta, persistent=False)
+        self.build_rope_cache()
+
+    def build_rope_cache(self) -> None:
+        "cos and sin per token of a tile: [seq_len, dim // 2, 2]."
+        g = self.patch_grid_size
+        patch = torch.arange(g * g, device=self.theta.device)
+        col, row = (patch % g + 1).float(), (patch // g + 1).float()
+        angles = torch.cat(
+            [torch.outer(col, self.theta), torch.outer(row, self.theta)], dim=-1
+        )
+        cls = torch.zeros(1, angles.shape[1], device=angles.device)  # no rotation
+        parts = [angles, cls] if self.append_cls_token else [cls, angles]
+        angles = torch.cat(parts)
+        cache = torch.stack([angles.cos(), angles.sin()], dim=-1)
+        self.register_buffer("cache", cache, persistent=False)
+
+    def forward(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        b, s, h, d = x.shape
+        if s % self.seq_len:
+            raise ValueError(
+                f"sequence of {s} tokens is not whole tiles of {self.seq_len} tokens"
+            )
+        turn = torch.view_as_complex(self.cache.float().contiguous())  # [n, d/2]
+        pairs = torch.view_as_complex(
+            x.float().reshape(b, s // self.seq_len, self.seq_len, h, d // 2, 2)
+        )
+        out = pairs * turn[None, None, :, None, :]
+        return torch.view_as_real(out).reshape(b, s, h, d).type_as(x)

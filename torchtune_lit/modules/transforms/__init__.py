@@ -13,3 +13,9 @@ class Transform(Protocol):
     "A callable from a sample (a mapping) to a sample: a step of the data pipeline."
 
     def __call__(self, sample: Mapping[str, Any]) -> Mapping[str, Any]: ...
+
+# %% ../../../nbs/40b_transforms.ipynb #b40b0a21
+from torchtune_lit.modules.transforms._vision_mask import (  # noqa: E402
+    ImageTokenMismatchError,
+    VisionCrossAttentionMask,
+)
