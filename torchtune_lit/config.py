@@ -31,11 +31,11 @@ from ._recipe_registry import RegistryError, resolve_config_path
 # %% auto #0
 __all__ = ['DEFAULT_ALLOWED_COMPONENTS', 'COMPONENT_PACKAGES', 'TRAINING_COMPONENTS', 'NOT_COMPONENTS',
            'NEVER_ALLOWED_COMPONENTS', 'ALLOW_ENV', 'KNOWN_ORIGINS', 'MAX_YAML_VALUES', 'RANK_ERRORS', 'RUN_COUNTS',
-           'OPTIONAL_FEATURES', 'TORCHTUNE_ONLY_KEYS', 'TORCHTUNE_DEFAULTS', 'ConfigError', 'trust_all_components',
-           'check_allowed_components', 'allow_components', 'granted_components', 'is_component', 'get_component',
-           'instantiate', 'refuse_config_grants', 'apply_overrides', 'read_config_keys', 'builtin_config_keys',
-           'load_config', 'interpolated_keys', 'parse_cli_args', 'validate', 'warn_unread_keys', 'parse',
-           'check_run_values']
+           'OPTIONAL_FEATURES', 'OPTIONAL_FEATURES_OFF', 'TORCHTUNE_ONLY_KEYS', 'TORCHTUNE_DEFAULTS', 'ConfigError',
+           'trust_all_components', 'check_allowed_components', 'allow_components', 'granted_components', 'is_component',
+           'get_component', 'instantiate', 'refuse_config_grants', 'apply_overrides', 'read_config_keys',
+           'builtin_config_keys', 'load_config', 'interpolated_keys', 'parse_cli_args', 'validate', 'warn_unread_keys',
+           'parse', 'check_run_values']
 
 # %% ../nbs/6a_config.ipynb #3095bfc7
 class ConfigError(ValueError):
@@ -1062,7 +1062,10 @@ OPTIONAL_FEATURES = {
     "optimizer_in_bwd": _SINGLE_DEVICE_TUNES,
     "enable_activation_offloading": _SINGLE_DEVICE_TUNES,
     "fsdp_cpu_offload": "the distributed (FSDP2) recipes do",
+    "context_parallel_dim": "the full and LoRA distributed fine-tunes do",
 }
+# the value of a size in OPTIONAL_FEATURES that means "off" (any recipe accepts it)
+OPTIONAL_FEATURES_OFF = {"context_parallel_dim": 1}
 # torchtune keys for what this package does another way: key -> (what the key does in
 # torchtune, what happens here); where "here" is None, a value other than null/false
 # is refused (a run that silently lacked it would use far more memory, or another plan)
@@ -1135,7 +1138,10 @@ def check_run_values(cfg: Any, supported: tuple[str, ...] = ()) -> None:
             f"{key}: in torchtune it {torchtune_does}; this recipe {here}."
         )
     for key, who in OPTIONAL_FEATURES.items():
-        if cfg.get(key, False) and key not in supported:
+        value = cfg.get(key, False)
+        off = _is_whole(value) and value == OPTIONAL_FEATURES_OFF.get(key)
+        if value and not off and key not in supported:
+            shown = "true" if value is True else value
             raise ValueError(
-                f"{key}=true: this recipe does not implement it ({who}); drop {key}."
+                f"{key}={shown}: this recipe does not implement it ({who}); drop {key}."
             )

@@ -10,9 +10,11 @@ import difflib
 import json
 import logging
 import os
+import re
 import runpy
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -35,10 +37,11 @@ from torchtune_lit._recipe_registry import (
 from .. import config as _config
 
 # %% auto #0
-__all__ = ['NOT_FOR_RECIPES', 'RENDEZVOUS_OPTIONS', 'SANITY_OVERRIDES', 'SANITY_INTERRUPTED', 'EXPECTED_ERRORS', 'cmd_ls',
-           'cmd_cp', 'load_cli_config', 'cmd_validate', 'cmd_cat', 'run_plan', 'config_preflight', 'cmd_preflight',
-           'torchrun_options', 'split_run_args', 'with_rendezvous', 'sanity_verdict', 'recipe_help',
-           'interrupted_message', 'relay_launcher_stderr', 'cmd_run', 'cmd_download', 'cmd_plot', 'cmd_runs',
+__all__ = ['NOT_FOR_RECIPES', 'RENDEZVOUS_OPTIONS', 'TORCHRUN_DEFAULT_PORT', 'SANITY_OVERRIDES', 'SANITY_INTERRUPTED',
+           'EXPECTED_ERRORS', 'cmd_ls', 'cmd_cp', 'load_cli_config', 'cmd_validate', 'cmd_cat', 'run_plan',
+           'config_preflight', 'cmd_preflight', 'torchrun_options', 'split_run_args', 'with_rendezvous', 'free_port',
+           'port_in_use', 'with_free_port', 'sanity_verdict', 'recipe_help', 'interrupted_message',
+           'relay_launcher_stderr', 'launch_failure_line', 'cmd_run', 'cmd_download', 'cmd_plot', 'cmd_runs',
            'build_parser', 'error_line', 'main', 'refused_for_safety']
 
 # %% ../../nbs/6c_cli.ipynb #1153fed6
@@ -57,7 +60,6 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for left, right in rows + aliases:
         print(f"{left:<{width}}{right}".rstrip())
     return 0
-
 
 # %% ../../nbs/6c_cli.ipynb #90a09b79
 def cmd_cp(args: argparse.Namespace) -> int:
@@ -170,6 +172,8 @@ def run_plan(cfg: DictConfig) -> Any:
         ),
         optimizer_in_backward=bool(cfg.get("optimizer_in_bwd", False)),
         activation_offloading=bool(cfg.get("enable_activation_offloading", False)),
+        cpu_offload=bool(cfg.get("fsdp_cpu_offload", False)),
+        context_parallel_dim=cfg.get("context_parallel_dim", 1),
         train_on_input=any(e.get("train_on_input", False) for e in entries),
         validation_files=validation.get("data_files"),  # the held-out check
     )
@@ -282,7 +286,6 @@ def _resolve_recipe_args(
             trust.append(f"--allow-components={recipe_args[i + 1]}")
     return ["--config", str(path), *overrides, *trust]
 
-
 # %% ../../nbs/6c_cli.ipynb #e6c1a002
 RENDEZVOUS_OPTIONS = {
     "--standalone",
@@ -306,6 +309,52 @@ def with_rendezvous(launcher: list[str]) -> list[str]:
     )
     return launcher if nnodes not in ("1", "1:1") else ["--standalone", *launcher]
 
+# %% ../../nbs/6c_cli.ipynb #h7port02
+TORCHRUN_DEFAULT_PORT = 29500
+
+
+def free_port() -> int:
+    "A TCP port nothing on this machine listens on now (the system picks it)."
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def port_in_use(port: int) -> bool:
+    "Would a rendezvous server fail to listen on `port` here?"
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore does
+        try:
+            s.bind(("", port))
+        except OSError:
+            return True
+    return False
+
+
+def _option_value(launcher: list[str], names: tuple[str, ...]) -> Optional[str]:
+    for i, arg in enumerate(launcher):
+        name, _, value = arg.partition("=")
+        if name in names:
+            return value if value else launcher[i + 1]
+    return None
+
+
+def with_free_port(launcher: list[str]) -> tuple[list[str], Optional[str]]:
+    """(the launcher options, a line to print): on one node with an address but no
+    port, `--master_port` set to a free port when torchrun's default is taken."""
+    names = {a.split("=", 1)[0] for a in launcher}
+    gives_port = {"--master_port", "--master-port", "--standalone"}
+    gives_port |= {"--rdzv_endpoint", "--rdzv-endpoint"}
+    nnodes = _option_value(launcher, ("--nnodes",)) or "1"
+    if names & gives_port or nnodes not in ("1", "1:1"):
+        return launcher, None
+    if not port_in_use(TORCHRUN_DEFAULT_PORT):
+        return launcher, None
+    port = free_port()
+    return [*launcher, "--master_port", str(port)], (
+        f"tunelit run: torchrun's default port {TORCHRUN_DEFAULT_PORT} is in use; "
+        f"using free port {port} (choose one with --master_port N)."
+    )
 
 # %% ../../nbs/6c_cli.ipynb #1381794f
 SANITY_OVERRIDES = [
@@ -406,6 +455,8 @@ def interrupted_message(recipe_args: list[str]) -> str:
 
 # %% ../../nbs/6c_cli.ipynb #rl00cd01
 _LAUNCHER_NOISE = ("torch/distributed/elastic/", "torch.distributed.elastic.")
+# the last line of a traceback: "torch.distributed.DistNetworkError: The server ..."
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception)\b:?")
 
 
 def _launcher_line(line: str, state: dict) -> bool:
@@ -421,14 +472,17 @@ def _launcher_line(line: str, state: dict) -> bool:
             state["root_cause_next"] = False
         if line.startswith("Root Cause"):
             state["root_cause_next"] = True
+        if _EXCEPTION_LINE.match(line):  # the launcher's own error (the last one)
+            state["launcher_error"] = line.strip()
         return False
     return not (line[:1] in "EWI" and any(n in line for n in _LAUNCHER_NOISE))
 
 
-def relay_launcher_stderr(stream: Any, out: Any) -> Optional[str]:
+def relay_launcher_stderr(stream: Any, out: Any) -> tuple[Optional[str], Optional[str]]:
     """Copy torchrun's stderr (bytes) to `out` (text) without the launcher's traceback
-    and failure report; return the rank it names as the root cause and that rank's exit
-    code, or the signal that killed it, if it names one."""
+    and failure report; return (the rank it names as the root cause with that rank's
+    exit code or the signal that killed it, the launcher's own error line): a failed
+    rendezvous has no rank to name, only the error."""
     state: dict = {"report": False}
     pending = b""
     while chunk := os.read(stream.fileno(), 65536):
@@ -444,13 +498,39 @@ def relay_launcher_stderr(stream: Any, out: Any) -> Optional[str]:
         out.flush()
     if pending and _launcher_line(pending.decode(errors="replace"), state):
         out.write(pending.decode(errors="replace"))
+    error = state.get("launcher_error")
     if "root_cause" not in state:
-        return None
+        return None, error
     code = state.get("exit_code", "?")
     by_signal = {-s.value: s.name for s in signal.Signals}  # exit code -9: SIGKILL
     if code.lstrip("-").isdigit() and int(code) in by_signal:
-        return f"{state['root_cause']} (killed by {by_signal[int(code)]})"
-    return f"{state['root_cause']} (exit code {code})"
+        return f"{state['root_cause']} (killed by {by_signal[int(code)]})", error
+    return f"{state['root_cause']} (exit code {code})", error
+
+# %% ../../nbs/6c_cli.ipynb #h7fail02
+def launch_failure_line(error: Optional[str], launcher: list[str]) -> str:
+    "One line for a torchrun launch that failed before any rank reported an error."
+    if error and ("EADDRINUSE" in error or "address already in use" in error):
+        found = re.search(r"port: (\d+)", error)
+        port = (
+            found.group(1)
+            if found
+            else (
+                _option_value(launcher, ("--master_port", "--master-port"))
+                or TORCHRUN_DEFAULT_PORT
+            )
+        )
+        return (
+            f"tunelit run: the rendezvous port {port} is already in use (another run, "
+            "or a process left from one, holds it); pass a free port before the "
+            f"recipe name, e.g. --master_port {free_port()} (the same on every node)."
+        )
+    what = f" ({error})" if error else ""
+    return (
+        f"tunelit run: torchrun could not start the ranks{what}; check --nnodes, "
+        "--node_rank, --master_addr and --master_port (or --rdzv-endpoint): every "
+        "node must give the same address and port, reachable from the others."
+    )
 
 # %% ../../nbs/6c_cli.ipynb #13f746ab
 SANITY_INTERRUPTED = (
@@ -497,37 +577,7 @@ def _run_recipe(run_args: list[str], interrupted: Optional[str] = None) -> int:
                 "device and cannot be launched with torchrun options "
                 f"{' '.join(launcher)}.{hint}"
             )
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            *with_rendezvous(launcher),
-            str(recipe_path),
-            *recipe_args,
-        ]
-        try:
-            # torchrun sets one thread per rank anyway; set, it prints no banner
-            env = {"OMP_NUM_THREADS": "1", **os.environ}
-            launch = subprocess.Popen(command, stderr=subprocess.PIPE, env=env)
-            root_cause = relay_launcher_stderr(launch.stderr, sys.stderr)
-            code = launch.wait()
-        except KeyboardInterrupt:
-            print(interrupted or interrupted_message(recipe_args), file=sys.stderr)
-            return 130
-        if code != 0 and root_cause is not None:
-            oom = (
-                " A rank killed by SIGKILL most often ran out of memory (the "
-                "kernel's OOM killer): lower batch_size or set "
-                "enable_activation_checkpointing=true."
-                if "SIGKILL" in root_cause
-                else ""
-            )
-            print(
-                f"tunelit run: rank {root_cause} failed first; the error of each "
-                f"rank that raised one is above.{oom}",
-                file=sys.stderr,
-            )
-        return code
+        return _launch(launcher, recipe_path, recipe_args, interrupted)
     saved_argv = sys.argv
     sys.argv = [str(recipe_path), *recipe_args]
     code = 0
@@ -540,6 +590,51 @@ def _run_recipe(run_args: list[str], interrupted: Optional[str] = None) -> int:
         code = 130
     finally:
         sys.argv = saved_argv
+    return code
+
+# %% ../../nbs/6c_cli.ipynb #clisplit2
+def _launch(
+    launcher: list[str], recipe_path: Path, recipe_args: list[str],
+    interrupted: Optional[str] = None,
+) -> int:
+    """Run the recipe script under torchrun with `launcher`'s options; relay the
+    ranks' errors, name the rank that failed first, and return the exit code."""
+    launcher, said = with_free_port(with_rendezvous(launcher))
+    if said:
+        print(said, file=sys.stderr)
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *launcher,
+        str(recipe_path),
+        *recipe_args,
+    ]
+    try:
+        # one thread per rank unless the environment sets it (torchrun would set
+        # it only for nproc_per_node > 1, printing a banner)
+        env = {"OMP_NUM_THREADS": "1", **os.environ}
+        launch = subprocess.Popen(command, stderr=subprocess.PIPE, env=env)
+        root_cause, error = relay_launcher_stderr(launch.stderr, sys.stderr)
+        code = launch.wait()
+    except KeyboardInterrupt:
+        print(interrupted or interrupted_message(recipe_args), file=sys.stderr)
+        return 130
+    if code != 0 and root_cause is not None:
+        oom = (
+            " A rank killed by SIGKILL most often ran out of memory (the "
+            "kernel's OOM killer): lower batch_size or set "
+            "enable_activation_checkpointing=true."
+            if "SIGKILL" in root_cause
+            else ""
+        )
+        print(
+            f"tunelit run: rank {root_cause} failed first; the error of each "
+            f"rank that raised one is above.{oom}",
+            file=sys.stderr,
+        )
+    elif code != 0:  # the launch failed before any rank ran
+        print(launch_failure_line(error, launcher), file=sys.stderr)
     return code
 
 # %% ../../nbs/6c_cli.ipynb #1e1a3ea2
@@ -717,7 +812,6 @@ def _add_download_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kaggle-api-key", help="Kaggle API key (or KAGGLE_KEY)")
     p.set_defaults(func=cmd_download)
 
-
 # %% ../../nbs/6c_cli.ipynb #870c04ca
 def _runs_module():
     """`torchtune_lit.training.runs`, loaded on its own unless the training package is
@@ -810,6 +904,7 @@ def error_line(error: BaseException) -> Optional[str]:
         built = notes[0].strip("()").replace("raised while instantiating ", "")
         return f"building {built} failed: {type(error).__name__}: {error}"
     return None
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     "Entry point of the `tunelit` console script; returns the exit code."

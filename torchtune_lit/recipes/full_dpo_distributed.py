@@ -157,6 +157,7 @@ def train(cfg: DictConfig) -> list[dict]:
     )  # fmt: skip
     plan = preflight.RunPlan(  # the run's numbers, for the preflight report
         cfg.batch_size, dtype, device, world_size=world_size,
+        cpu_offload=bool(cfg.get("fsdp_cpu_offload", False)),
         optimizer=cfg.optimizer._component_, lr=cfg.optimizer.get("lr"),
         lr_scheduler=OmegaConf.select(cfg, "lr_scheduler._component_"),
         gradient_accumulation_steps=cfg.get("gradient_accumulation_steps", 1),

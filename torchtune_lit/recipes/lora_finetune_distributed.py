@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 import torchtune_lit.config as config
 import torchtune_lit.datasets as datasets
 import torchtune_lit.training as training
+import torchtune_lit.training.context_parallel as context_parallel
 import torchtune_lit.training.metric_logging as metric_logging
 import torchtune_lit.training.preflight as preflight
 import torchtune_lit.training.profiler as profiling
@@ -87,6 +88,10 @@ CONFIG_KEYS = {
         1,
         "processes that split each layer (full distributed recipes)",
     ),
+    "context_parallel_dim": (
+        1,
+        "processes that split each sequence (ring attention); divides the processes",
+    ),
     "sanity_check": (None, "train on only the first N samples (tunelit run --sanity)"),
     "overwrite": (False, "replace another run's outputs in output_dir"),
     "resume_from_checkpoint": (False, "continue this run from its newest step_N"),
@@ -109,9 +114,20 @@ def train(cfg: DictConfig) -> list[dict]:
     val_dataset = cfg.get("validation_dataset") or cfg.get("dataset_val")
     val_batch_size = cfg.get("batch_size_val") or cfg.get("batch_size")
     # 1. join the process group; the (dp, tp) mesh when tensor parallelism is asked for
-    # this recipe honours fsdp_cpu_offload (a one-device recipe refuses it)
-    config.check_run_values(cfg, supported=("fsdp_cpu_offload",))
+    # this recipe honours fsdp_cpu_offload and context_parallel_dim (others refuse them)
+    config.check_run_values(cfg, supported=("fsdp_cpu_offload", "context_parallel_dim"))
     rank, world_size, device = training.init_distributed()
+    # context parallelism: each sequence split over cp_dim consecutive ranks, refused in
+    # one line where it cannot run (packing, tensor parallelism, compile, checkpointing)
+    cp_dim = cfg.get("context_parallel_dim", 1)
+    entries = datasets.dataset_entries(cfg.dataset)
+    context_parallel.check_context_parallel(
+        cp_dim, world_size, packed=any(e.get("packed", False) for e in entries),
+        tensor_parallel_dim=cfg.get("tensor_parallel_dim", 1),
+        compile=cfg.get("compile", False),
+        activation_checkpointing=cfg.get("enable_activation_checkpointing", False),
+    )  # fmt: skip
+    cp_group = context_parallel.context_parallel_group(cp_dim)
     dtype = training.get_dtype(cfg.dtype, device)
     training.set_seed(cfg.seed)
     output_dir = Path(cfg.output_dir)
@@ -124,8 +140,8 @@ def train(cfg: DictConfig) -> list[dict]:
         )
         training.save_run_config(settings, output_dir)
     mesh = training.device_mesh(device, world_size, cfg.get("tensor_parallel_dim", 1))
-    # the processes of one tensor-parallel group read the same rows
-    data_rank, data_world = rank, world_size
+    # the processes of one tensor- or context-parallel group read the same rows
+    data_rank, data_world = rank // cp_dim, world_size // cp_dim
     if mesh is not None:
         data_rank, data_world = mesh["dp"].get_local_rank(), mesh["dp"].size()
 
@@ -150,6 +166,8 @@ def train(cfg: DictConfig) -> list[dict]:
     )  # fmt: skip
     plan = preflight.RunPlan(  # the run's numbers, for the preflight report
         cfg.batch_size, dtype, device, world_size=world_size,
+        cpu_offload=bool(cfg.get("fsdp_cpu_offload", False)),
+        context_parallel_dim=cfg.get("context_parallel_dim", 1),
         optimizer=cfg.optimizer._component_, lr=cfg.optimizer.get("lr"),
         lr_scheduler=OmegaConf.select(cfg, "lr_scheduler._component_"),
         gradient_accumulation_steps=cfg.get("gradient_accumulation_steps", 1),
@@ -174,6 +192,8 @@ def train(cfg: DictConfig) -> list[dict]:
         mesh=mesh, **sharding,
     )
     loss_fn = training.prepare_loss(config.instantiate(cfg.get("loss")), model)
+    # ring attention is plain causal: a sliding window or soft-capping is refused
+    context_parallel.check_context_parallel(cp_dim, world_size, model=model)
     trained = [p for p in model.parameters() if p.requires_grad]  # the adapters
     if rank == 0:
         total = sum(p.numel() for p in model.parameters())
@@ -224,11 +244,13 @@ def train(cfg: DictConfig) -> list[dict]:
     for epoch, i, micro in batches:
         step, started, loss_sum, num_tokens = step + 1, time.perf_counter(), 0.0, 0
         for batch in micro:
-            extra = {k: batch[k] for k in ("mask", "input_pos") if k in batch}
-            logits = model(batch["tokens"], **extra)
-            labels = training.shift_labels(batch["labels"])
-            loss, tokens = training.summed_loss(loss_fn, logits, labels)
-            loss.backward()
+            # labels shifted; with context parallelism this rank's chunks of each row
+            inputs, labels, extra = context_parallel.shard_batch(batch, cp_group)
+            # (ring attention over the group inside, for the forward and backward pass)
+            with context_parallel.context_parallel_attention(cp_group):
+                logits = model(inputs, **extra)
+                loss, tokens = training.summed_loss(loss_fn, logits, labels)
+                loss.backward()
             loss_sum, num_tokens = loss_sum + loss.item(), num_tokens + tokens
         # losses and trained tokens summed over ranks; FSDP averaged the gradients
         loss, num_tokens = training.step_loss(
@@ -249,9 +271,12 @@ def train(cfg: DictConfig) -> list[dict]:
 
         # 5. validation over every rank's share; rank 0 logs; a sharded step checkpoint
         if val_loader is not None and step % val_every == 0:
+            # with context parallelism each rank forwards its chunks through the ring
+            shard = functools.partial(context_parallel.shard_batch, group=cp_group)
             metrics["val_loss"] = training.validation_loss(
                 model, val_loader, device, cfg.get("max_validation_batches"), loss_fn,
-                world_size,
+                world_size, shard,
+                lambda: context_parallel.context_parallel_attention(cp_group),
             )  # fmt: skip
         if cfg.get("log_peak_memory_stats", False):
             metrics.update(training.get_memory_stats(device))

@@ -49,6 +49,8 @@ class RunPlan:
     activation_checkpointing: bool = False
     optimizer_in_backward: bool = False
     activation_offloading: bool = False
+    cpu_offload: bool = False  # fsdp_cpu_offload: shards, gradients, states on the host
+    context_parallel_dim: int = 1  # processes that split each sequence
     train_on_input: bool = False  # prompts trained on: no prompt-leak check
     validation_files: Any = ()  # validation_dataset's data_files: the held-out check
     eval_files: Any = ()  # what the run's evaluation scores (e.g. evaluate_with's)
@@ -414,12 +416,11 @@ def _planned_memory(
         # offloading moves activations off a GPU only
         activation_offloading=plan.activation_offloading
         and torch.device(plan.device).type == "cuda",
+        # FSDP2: the planner divides the shards and adds the groups it gathers
+        world_size=plan.world_size,
+        fsdp_cpu_offload=plan.cpu_offload,
+        context_parallel_dim=plan.context_parallel_dim,
     )
-    # FSDP2: each process holds 1/world_size of these three
-    if plan.world_size > 1:
-        estimate.weights /= plan.world_size
-        estimate.gradients /= plan.world_size
-        estimate.optimizer_states /= plan.world_size
     return estimate
 
 # %% ../../nbs/74_preflight.ipynb #6bed1e85
@@ -455,6 +456,8 @@ def memory_findings(
             "; per process, with weights, gradients and optimizer states sharded "
             f"over {plan.world_size}"
         )
+    if estimate.host:
+        message += f"; {estimate.host / 2**30:.2f} GiB in host memory"
     if available is not None and estimate.total > 0.9 * available:
         fixes = [] if plan.activation_checkpointing else [
             "enable_activation_checkpointing=true"

@@ -9,6 +9,7 @@ __all__ = ['build_optimizer', 'training_schedule', 'scale_grads', 'check_loss_is
 
 # %% ../../nbs/71d_steps.ipynb #64518d6c
 import math
+from contextlib import nullcontext
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -244,10 +245,12 @@ def validation_loss(
     max_batches: Optional[int] = None,
     loss_fn: Optional[nn.Module] = None,
     world_size: int = 1,
+    shard: Optional[Callable[[dict], tuple]] = None,
+    attention: Callable[[], Any] = nullcontext,
 ) -> float:
     """Mean loss per trained token over (up to `max_batches` of) `loader`, in eval
-    mode.
-    """
+    mode. `shard` (batch -> tokens, shifted labels, model kwargs) and `attention`
+    (a context for the forward pass) are a context-parallel recipe's."""
     loss_fn = loss_fn or _mean_cross_entropy
     was_training = model.training
     model.eval()
@@ -255,7 +258,13 @@ def validation_loss(
     for i, batch in enumerate(loader):
         if max_batches is not None and i >= max_batches:
             break
-        loss, n = forward_loss(model, loss_fn, _to_device(batch, device))
+        batch = _to_device(batch, device)
+        if shard is None:
+            loss, n = forward_loss(model, loss_fn, batch)
+        else:  # this rank's chunks of each row, attention inside `attention()`
+            inputs, labels, extra = shard(batch)
+            with attention():
+                loss, n = summed_loss(loss_fn, model(inputs, **extra), labels)
         loss_sum, tokens = loss_sum + loss.item(), tokens + n
     model.train(was_training)
     if world_size > 1:
