@@ -232,3 +232,69 @@ def test_chat_dataset_of_the_tool_task_trains_calls_not_results():
         arguments = json.dumps(rows[i]["messages"][2]["tool_calls"][0]["function"]["arguments"])
         assert f'{{"name": "calculator", "parameters": {arguments}}}<|eot_id|>' in trained
         assert trained.endswith(rows[i]["answer"] + "<|eot_id|>")
+
+
+WITH_IDS = [  # OpenAI's full shape: the call has an id, the tool result names it and its tool
+    {"role": "user", "content": "What is 2 + 3?"},
+    {"role": "assistant", "content": "", "tool_calls": [dict(call("add", {"a": 2, "b": 3}), id="call_0")]},
+    {"role": "tool", "content": '{"sum": 5}', "tool_call_id": "call_0", "name": "add"},
+    {"role": "assistant", "content": "2 + 3 = 5."},
+]
+MUSE_SPECIALS = ["<|start|>", "<|message|>", "<|eot|>", "<|eom|>", "<|patch|>", "<|video|>"]
+
+
+@pytest.mark.parametrize("keys", [("tool_call_id", "name"), ("tool_call_id",), ("name",)])
+def test_tool_call_id_and_name_reach_the_template(tmp_path, keys):
+    """A template that reads a tool result's `name`, else finds the tool by `tool_call_id` among the calls
+    (muse_glimmer.jinja, as TRL ships it): our rendering and ids equal transformers' with both keys, with either one,
+    and the tool's name is in the text each time (without the keys the template would write no name)."""
+    text = (TRL_TEMPLATES / "muse_glimmer.jinja").read_text()
+    save_small_bpe(tmp_path / "tokenizer.json", MUSE_SPECIALS)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eot|>"}))
+    reference = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"),
+                                                     eos_token="<|eot|>")
+    ours = HuggingFaceModelTokenizer(tmp_path / "tokenizer.json", chat_template=text)
+    conversation = [{k: v for k, v in m.items() if k in keys or k not in ("tool_call_id", "name")} for m in WITH_IDS]
+    messages = as_messages(conversation)
+    assert (messages[2].tool_call_id, messages[2].name) == tuple(conversation[2].get(k) for k in ("tool_call_id",
+                                                                                                 "name"))
+    for prompt, turns in ((False, conversation), (True, conversation[:-1])):
+        expected = reference.apply_chat_template(turns, tools=TOOLS, chat_template=text, tokenize=False,
+                                                 add_generation_prompt=prompt)
+        assert '<tool_output name="add">' in expected
+        tokens, mask = ours.tokenize_messages(as_messages(turns), add_generation_prompt=prompt, tools=TOOLS)
+        assert ours.decode(tokens, skip_special_tokens=False) == expected
+        assert tokens == reference_ids(reference, turns, text, TOOLS, prompt, {})
+        trained = ours.decode([t for t, m in zip(tokens, mask) if not m], skip_special_tokens=False)
+        assert '{"sum": 5}' not in trained and "tool_output" not in trained
+
+
+def test_ids_pass_through_every_checked_template(template):
+    """The conversation with ids renders as transformers renders it under Qwen 2.5, Qwen 3 and Llama 3.1 too."""
+    name, text, ours, reference, kwargs = template
+    for prompt, turns in ((False, WITH_IDS), (True, WITH_IDS[:-1])):
+        expected = reference.apply_chat_template(turns, tools=TOOLS, chat_template=text, tokenize=False,
+                                                 add_generation_prompt=prompt, **kwargs)
+        tokens, _ = ours.tokenize_messages(as_messages(turns), add_generation_prompt=prompt, tools=TOOLS)
+        assert tokens == reference_ids(reference, turns, text, TOOLS, prompt, kwargs), (name, prompt)
+        assert ours.render(turns, prompt, tools=TOOLS) == expected
+
+
+def test_llama3_format_ends_a_tool_result_as_llama3_1_does():
+    """The tiny model's Llama3Format against Llama 3.1's own template on the same tokenizer: from the call on, the
+    text is the template's — the call, `<|eot_id|>`, the result under `ipython` ended by `<|eot_id|>` (the template
+    writes a text result as JSON, so its quotes are taken off), the answer. The tool message has eot=False, as
+    OpenAIToMessages sets it (torchtune's advice), and its turn still ends."""
+    from torchtune_lit.tokenizers._chat import tiny_tokenizer
+    row = read_jsonl("tool_calls_eval.jsonl")[0]
+    text = (TRL_TEMPLATES / "llama3_1.jinja").read_text()
+    reference = transformers.AutoTokenizer.from_pretrained(TINY_BASE)
+    rendered = reference.apply_chat_template(row["messages"], chat_template=text, tokenize=False)
+    result = row["messages"][3]["content"]
+    rendered = rendered.replace(f'ipython<|end_header_id|>\n\n"{result}"', f"ipython<|end_header_id|>\n\n{result}")
+    tiny = tiny_tokenizer()
+    messages = as_messages(row["messages"])
+    assert messages[3].role == "tool" and messages[3].eot is False
+    ours = tiny.decode(tiny.tokenize_messages(messages)[0])
+    tail = ours[ours.index('{"name"'):]
+    assert rendered.endswith(tail) and f"ipython<|end_header_id|>\n\n{result}<|eot_id|>" in tail

@@ -148,6 +148,12 @@ def _preference_recipes() -> list[Recipe]:
             supports_distributed=False,
         ),
         Recipe(
+            name="online_dpo_single_device",
+            file_path="online_dpo_single_device.py",
+            configs=_configs("tiny/online_dpo"),
+            supports_distributed=False,
+        ),
+        Recipe(
             name="lora_dpo_distributed",
             file_path="lora_dpo_distributed.py",
             configs=_configs("tiny/lora_dpo_distributed", "llama3_1/8B_lora_dpo"),
@@ -169,7 +175,10 @@ def _rl_recipes() -> list[Recipe]:
         Recipe(
             name="grpo_full_finetune_single_device",
             file_path="grpo_full_finetune_single_device.py",
-            configs=[Config(name="tiny/grpo", file_path="tiny/grpo.yaml")],
+            configs=[
+                Config(name="tiny/grpo", file_path="tiny/grpo.yaml"),
+                Config(name="tiny/tool_grpo", file_path="tiny/tool_grpo.yaml"),
+            ],
             supports_distributed=False,
         ),
         Recipe(

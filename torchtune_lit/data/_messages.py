@@ -10,7 +10,7 @@ __all__ = ['CROSS_ENTROPY_IGNORE_IDX', 'ROLES', 'ALPACA_PROMPT_WITH_INPUT', 'ALP
            'AlpacaToMessages', 'PromptTemplate', 'truncate', 'ChatMLTemplate']
 
 # %% ../../nbs/41_messages.ipynb #8f71f962
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from functools import partial
 from pathlib import Path
@@ -63,11 +63,24 @@ def _check_tool_calls(role: str, tool_calls: Any) -> None:
             raise ValueError(f"tool call {i} is {call!r}; a tool call is {shape}.")
 
 
+def _check_tool_result(role: str, tool_call_id: Any, name: Any) -> None:
+    "Refuse a `tool_call_id` outside a tool result, or one that is not text."
+    for key, value in (("tool_call_id", tool_call_id), ("name", name)):
+        if value is not None and not isinstance(value, str):
+            raise ValueError(f"{key}={value!r}: give the text (or None).")
+    if tool_call_id is not None and role not in ("tool", "ipython"):
+        raise ValueError(
+            f"a {role!r} message has tool_call_id; only a tool result (role 'tool' "
+            "or 'ipython') answers a call: drop the key or change the role."
+        )
+
+
 @dataclass(repr=False)
 class Message:
     """One turn of a conversation. `masked`: its tokens are not trained on. `ipython`:
     an assistant tool call. `eot`: the turn ends (end-of-turn token). `tool_calls`:
-    the functions an assistant message calls, in OpenAI's format.
+    the functions an assistant message calls, in OpenAI's format. `tool_call_id`
+    and `name`: on a tool result, the id of the call it answers and the tool's name.
     """
 
     role: str
@@ -76,6 +89,8 @@ class Message:
     ipython: bool = False
     eot: bool = True
     tool_calls: Optional[list[dict[str, Any]]] = None
+    tool_call_id: Optional[str] = None
+    name: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -98,6 +113,7 @@ class Message:
             )
         if self.tool_calls is not None:
             _check_tool_calls(self.role, self.tool_calls)
+        _check_tool_result(self.role, self.tool_call_id, self.name)
 
     @property
     def parts(self) -> list[dict[str, Any]]:
@@ -128,11 +144,16 @@ class Message:
             ipython=d.get("ipython", False),
             eot=d.get("eot", True),
             tool_calls=d.get("tool_calls"),
+            tool_call_id=d.get("tool_call_id"),
+            name=d.get("name"),
         )
 
     def __repr__(self) -> str:
         contents = [p.get("content") for p in self.parts]
         calls = f", tool_calls={self.tool_calls!r}" if self.tool_calls else ""
+        for key in ("tool_call_id", "name"):
+            if getattr(self, key) is not None:
+                calls += f", {key}={getattr(self, key)!r}"
         return f"Message(role={self.role!r}, content={contents!r}{calls})"
 
 # %% ../../nbs/41_messages.ipynb #c974d96d
@@ -319,7 +340,7 @@ class OpenAIToMessages:
     """A row with a list of {'role', 'content'} dicts (OpenAI chat format) -> messages.
     A content may be a list of OpenAI parts ({'type': 'text', 'text'} or {'type':
     'image_url', 'image_url': {'url'}}); `tool_calls` are kept; tool results (role
-    'tool' or 'ipython') stay in the turn.
+    'tool' or 'ipython') stay in the turn, with their `tool_call_id` and `name`.
     """
 
     def __init__(
@@ -360,7 +381,10 @@ class OpenAIToMessages:
                 content = self._convert_from_openai_content(content)
             tool_result = m["role"] in ("tool", "ipython")
             calls = m.get("tool_calls") or None  # [] means no call
-            message = Message(m["role"], content, eot=not tool_result, tool_calls=calls)
+            message = Message(
+                m["role"], content, eot=not tool_result, tool_calls=calls,
+                tool_call_id=m.get("tool_call_id"), name=m.get("name"),
+            )  # fmt: skip
             messages.append(message)
         mask_messages(messages, self.masking_strategy)
         return {"messages": _with_system(messages, self.new_system_prompt)}
@@ -450,6 +474,8 @@ class ChosenRejectedToMessages:
                     m.get("content") or "",  # null beside a tool call
                     eot=m["role"] not in ("tool", "ipython"),
                     tool_calls=m.get("tool_calls") or None,
+                    tool_call_id=m.get("tool_call_id"),
+                    name=m.get("name"),
                 )
                 for m in read_column(row, key, self.column_map)
             ]
@@ -525,9 +551,7 @@ class PromptTemplate:
             else:
                 content = [{"type": "text", "content": before}, *m.content]
                 content += [{"type": "text", "content": after}]
-            out.append(
-                Message(m.role, content, m.masked, m.ipython, m.eot, m.tool_calls)
-            )
+            out.append(replace(m, content=content))  # every other field kept
         return out
 
 

@@ -17,6 +17,7 @@ import torchtune_lit.modules.peft as peft
 import torchtune_lit.rlhf as rlhf
 import torchtune_lit.rlhf.grpo_parts as grpo_parts
 import torchtune_lit.rlhf.rewards as rewards
+import torchtune_lit.tokenizers as tokenizers
 import torchtune_lit.training as training
 import torchtune_lit.training.metric_logging as metric_logging
 import torchtune_lit.training.profiler as profiling
@@ -75,6 +76,23 @@ CONFIG_KEYS = {
     "max_new_tokens": ("required", "tokens to generate at most"),
     "temperature": (1.0, "sampling temperature (0: greedy)"),
     "top_k": (None, "sample among the k most likely tokens (null: all)"),
+    "scale_rewards": (
+        "group",
+        "advantages over the group's std (group), the batch's (batch), none (none)",
+    ),
+    "dynamic_sampling": (
+        False,
+        "DAPO: drop groups whose rewards are all equal, sample more to fill the batch",
+    ),
+    "max_resample_rounds": (
+        3,
+        "dynamic sampling: extra rounds per micro-batch at most",
+    ),
+    "tools": (
+        None,
+        "tools the policy may call (calculator, a dotted path, or a list); null: none",
+    ),
+    "max_tool_turns": (2, "with tools: calls per episode at most, then the answer"),
 }
 
 # %% ../../nbs/8a_grpo_full_finetune_single_device.ipynb #8b3a1d83
@@ -93,6 +111,13 @@ def train(cfg: DictConfig) -> list[dict]:
     grpo_parts.check_grpo_settings(
         cfg.get("group_size", 1), cfg.get("ppo_epochs", 1), reward_functions
     )
+    scale_rewards = cfg.get("scale_rewards", "group")
+    dynamic = cfg.get("dynamic_sampling", False)
+    rounds = cfg.get("max_resample_rounds", 3)
+    # with tools: the calls are read in Llama 3.1's form (edit here for another form)
+    tools = grpo_parts.resolve_tools(cfg.tools) if cfg.get("tools") else None
+    max_tool_turns = cfg.get("max_tool_turns", 2)
+    parse_call = tokenizers.parse_llama3_tool_call
     config.check_run_values(cfg)
     device = training.get_device(cfg.device)
     dtype = training.get_dtype(cfg.dtype, device)
@@ -154,8 +179,9 @@ def train(cfg: DictConfig) -> list[dict]:
     start_validation = None
     if val_loader is not None:
         start_validation = grpo_parts.grpo_validation(
-            model, tokenizer, reward_functions, val_loader, cfg.max_new_tokens
-        )
+            model, tokenizer, reward_functions, val_loader, cfg.max_new_tokens,
+            tools=tools, parse_call=parse_call, max_tool_turns=max_tool_turns,
+        )  # fmt: skip
         log.info(
             f"validation before step {start.step + 1}: accuracy "
             f"{start_validation['val_accuracy']:.1%}, mean reward "
@@ -187,20 +213,47 @@ def train(cfg: DictConfig) -> list[dict]:
     step = start.step
     for epoch, i, micro in batches:
         step, started = step + 1, time.perf_counter()
-        samples = []  # all from the policy before the update
+        samples, sums = [], {}  # all from the policy before the update
         for k, batch in enumerate(micro):
-            # the samples are fixed by (seed, step, rank, micro-batch): one rank, 0
-            generator = grpo_parts.rollout_generator(cfg.seed, device, step, 0, k)
-            sample = grpo_parts.rollout(
-                model, reference, tokenizer, reward_functions, batch, cfg.group_size,
-                cfg.max_new_tokens, generator, cfg.get("temperature", 1.0),
-                cfg.get("top_k"), keep_old_logps=ppo_epochs > 1,
-            )  # fmt: skip
-            samples.append(sample)
-        sums = {}
-        for sample in samples:
-            for key, value in grpo_parts.rollout_sums(sample).items():
-                sums[key] = sums.get(key, 0.0) + value
+            wanted, drawn = len(batch["answers"]), []  # groups; this batch's rollouts
+            for extra in range(1 + (rounds if dynamic else 0)):
+                if extra:  # dynamic sampling: more prompts while groups are missing
+                    have = sum(
+                        int(grpo_parts.informative_groups(s).sum()) for s in drawn
+                    )
+                    if have >= wanted:
+                        break
+                    batch = grpo_parts.extra_prompts(
+                        dataset, rewards.padded_collate_prompts, wanted, cfg.seed,
+                        step, k, extra,
+                    )  # fmt: skip
+                # the samples are fixed by (seed, step, rank, micro-batch[, round])
+                key = (step, 0, k, extra) if extra else (step, 0, k)
+                generator = grpo_parts.rollout_generator(cfg.seed, device, *key)
+                if tools:  # episodes: call, tool result, ... answer
+                    sample = grpo_parts.tool_rollout(
+                        model, reference, tokenizer, reward_functions, batch,
+                        cfg.group_size, cfg.max_new_tokens, generator, tools,
+                        parse_call, max_tool_turns, cfg.get("temperature", 1.0),
+                        cfg.get("top_k"), keep_old_logps=ppo_epochs > 1,
+                        scale_rewards=scale_rewards,
+                    )  # fmt: skip
+                else:
+                    sample = grpo_parts.rollout(
+                        model, reference, tokenizer, reward_functions, batch,
+                        cfg.group_size, cfg.max_new_tokens, generator,
+                        cfg.get("temperature", 1.0), cfg.get("top_k"),
+                        keep_old_logps=ppo_epochs > 1, scale_rewards=scale_rewards,
+                    )  # fmt: skip
+                drawn.append(sample)
+            for sample in drawn:  # the log counts every answer sampled
+                for name, value in grpo_parts.rollout_sums(sample).items():
+                    sums[name] = sums.get(name, 0.0) + value
+            samples += grpo_parts.fill_groups(drawn, wanted) if dynamic else drawn
+        if dynamic:  # the share of the sampled groups the step trains on
+            sums["kept_groups"] = sum(
+                s["reward"].numel() / s["rollout"].group_size for s in samples
+            )
         for ppo_epoch in range(ppo_epochs):
             loss_sum, answers = 0.0, 0
             stats_sums = {"kl": 0.0, "ratio": 0.0, "clipfrac": 0.0}
@@ -237,8 +290,10 @@ def train(cfg: DictConfig) -> list[dict]:
         if val_loader is not None and val_every and step % val_every == 0:
             metrics.update(
                 grpo_parts.grpo_validation(
-                    model, tokenizer, reward_functions, val_loader, cfg.max_new_tokens
-                )
+                    model, tokenizer, reward_functions, val_loader,
+                    cfg.max_new_tokens, tools=tools, parse_call=parse_call,
+                    max_tool_turns=max_tool_turns,
+                )  # fmt: skip
             )
         if cfg.get("log_peak_memory_stats", False):
             metrics.update(training.get_memory_stats(device))

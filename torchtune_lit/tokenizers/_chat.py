@@ -48,14 +48,16 @@ Segment = Union[str, Special]
 
 class Llama3Format:
     """Llama 3 / 3.1 / 3.2 instruct format; a tool call is written as Llama 3.1 writes
-    a call of a user-defined tool, a tool result under the `ipython` header."""
+    a call of a user-defined tool, a tool result under the `ipython` header, ending
+    with `<|eot_id|>` as Llama 3.1's template ends it (whatever its `eot`)."""
 
     bos, eos, end_of_turn = "<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"
     default_system_prompt = None
     writes_tool_calls = True
 
     def message(self, m: Message) -> list[Segment]:
-        end = [Special(self.end_of_turn)] if m.eot else []
+        result = m.role in ("tool", "ipython")  # the template always ends its turn
+        end = [Special(self.end_of_turn)] if m.eot or result else []
         text = llama3_tool_call_text(m) if m.tool_calls else m.text_content.strip()
         return [
             Special("<|start_header_id|>"),

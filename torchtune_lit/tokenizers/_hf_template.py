@@ -173,13 +173,17 @@ def _trained_spans(
 # %% ../../nbs/42b_hf_chat_template.ipynb #0f73dd32
 def _as_turns(messages: list[Message]) -> list[dict]:
     """Messages as transformers hands them to a template: role ('ipython' written
-    'tool'), text content, and `tool_calls` only on a message that calls tools."""
+    'tool'), text content, and `tool_calls`, `tool_call_id` and `name` only on a
+    message that has them (templates test whether the key is there)."""
     turns = []
     for m in messages:
         role = "tool" if m.role == "ipython" else m.role
         turn = {"role": role, "content": m.text_content}
         if m.tool_calls:
             turn["tool_calls"] = m.tool_calls
+        for key in ("tool_call_id", "name"):  # a tool result's call and tool
+            if getattr(m, key) is not None:
+                turn[key] = getattr(m, key)
         turns.append(turn)
     return turns
 
