@@ -1057,7 +1057,10 @@ RUN_COUNTS = (  # whole numbers >= 1, or null where the recipe has a default
 )
 # switches only some recipes implement (key -> which do); the others refuse them rather
 # than ignore them
-_SINGLE_DEVICE_TUNES = "the full, LoRA and QAT single-device fine-tunes do"
+_SINGLE_DEVICE_TUNES = (
+    "the full, LoRA and QAT single-device fine-tunes and the full and LoRA "
+    "distributed fine-tunes do"
+)
 OPTIONAL_FEATURES = {
     "optimizer_in_bwd": _SINGLE_DEVICE_TUNES,
     "enable_activation_offloading": _SINGLE_DEVICE_TUNES,

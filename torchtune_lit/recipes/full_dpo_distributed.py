@@ -84,7 +84,7 @@ CONFIG_KEYS = {
     ),
     "optimizer_in_bwd": (
         False,
-        "step each parameter during backward (single-device full/LoRA)",
+        "step each parameter during backward (full/LoRA fine-tunes)",
     ),
     "shuffle": (True, "shuffle the training set each epoch"),
     "reshard_after_forward": (True, "FSDP2: free gathered weights after forward"),

@@ -6,6 +6,7 @@
 __all__ = ['CONFIG_KEYS', 'train', 'recipe_main']
 
 # %% ../../nbs/83_lora_finetune_distributed.ipynb #e4ca9af4
+import contextlib
 import functools
 import sys
 import time
@@ -39,7 +40,7 @@ CONFIG_KEYS = {
     "enable_activation_checkpointing": (False, "recompute activations in backward"),
     "enable_activation_offloading": (
         False,
-        "keep saved activations in CPU memory (GPU only)",
+        "keep saved activations in CPU memory (on a GPU; a CPU has nothing to move)",
     ),
     "progress_bar": (True, "show a progress bar"),
     "log_every_n_steps": (
@@ -80,7 +81,7 @@ CONFIG_KEYS = {
     ),
     "optimizer_in_bwd": (
         False,
-        "step each parameter during backward (single-device full/LoRA)",
+        "step each shard during backward (no accumulation, no clipping)",
     ),
     "shuffle": (True, "shuffle the training set each epoch"),
     "reshard_after_forward": (True, "FSDP2: free gathered weights after forward"),
@@ -114,18 +115,21 @@ def train(cfg: DictConfig) -> list[dict]:
     val_dataset = cfg.get("validation_dataset") or cfg.get("dataset_val")
     val_batch_size = cfg.get("batch_size_val") or cfg.get("batch_size")
     # 1. join the process group; the (dp, tp) mesh when tensor parallelism is asked for
-    # this recipe honours fsdp_cpu_offload and context_parallel_dim (others refuse them)
-    config.check_run_values(cfg, supported=("fsdp_cpu_offload", "context_parallel_dim"))
+    # the optional switches this recipe honours (other recipes refuse them)
+    supported = (
+        "fsdp_cpu_offload", "context_parallel_dim", "optimizer_in_bwd",
+        "enable_activation_offloading",
+    )  # fmt: skip
+    config.check_run_values(cfg, supported)
     rank, world_size, device = training.init_distributed()
     # context parallelism: each sequence split over cp_dim consecutive ranks, refused in
-    # one line where it cannot run (packing, tensor parallelism, compile, checkpointing)
+    # one line where it cannot run (packing, tensor parallelism, compile)
     cp_dim = cfg.get("context_parallel_dim", 1)
     entries = datasets.dataset_entries(cfg.dataset)
     context_parallel.check_context_parallel(
         cp_dim, world_size, packed=any(e.get("packed", False) for e in entries),
         tensor_parallel_dim=cfg.get("tensor_parallel_dim", 1),
         compile=cfg.get("compile", False),
-        activation_checkpointing=cfg.get("enable_activation_checkpointing", False),
     )  # fmt: skip
     cp_group = context_parallel.context_parallel_group(cp_dim)
     dtype = training.get_dtype(cfg.dtype, device)
@@ -172,6 +176,8 @@ def train(cfg: DictConfig) -> list[dict]:
         lr_scheduler=OmegaConf.select(cfg, "lr_scheduler._component_"),
         gradient_accumulation_steps=cfg.get("gradient_accumulation_steps", 1),
         activation_checkpointing=cfg.get("enable_activation_checkpointing", False),
+        optimizer_in_backward=cfg.get("optimizer_in_bwd", False),
+        activation_offloading=cfg.get("enable_activation_offloading", False),
         train_on_input=any(
             entry.get("train_on_input", False)
             for entry in datasets.dataset_entries(cfg.dataset)
@@ -201,7 +207,13 @@ def train(cfg: DictConfig) -> list[dict]:
             f"Training {sum(p.numel() for p in trained):,} adapter parameters of "
             f"{total:,} on {world_size} processes."
         )
-    optimizer = config.instantiate(cfg.optimizer, trained)
+    # optimizer_in_bwd: one optimizer per trained shard, stepped by FSDP2's hook in
+    # backward (gradient accumulation and clipping refused: they need every gradient)
+    optimizer = training.build_optimizer(
+        model, lambda params: config.instantiate(cfg.optimizer, params),
+        cfg.get("optimizer_in_bwd", False),
+        cfg.get("gradient_accumulation_steps", 1), cfg.get("clip_grad_norm"),
+    )  # fmt: skip
     accumulation, steps_per_epoch, total_steps = training.training_schedule(
         len(loader), cfg.epochs, cfg.get("gradient_accumulation_steps", 1),
         cfg.get("max_steps_per_epoch"),
@@ -234,6 +246,12 @@ def train(cfg: DictConfig) -> list[dict]:
         loader, device, cfg.epochs, steps_per_epoch, accumulation, start
     )
 
+    in_backward = getattr(optimizer, "steps_in_backward", False)
+    offload = contextlib.nullcontext()
+    if cfg.get("enable_activation_offloading", False):
+        # on a CPU it says why it does nothing
+        offload = training.OffloadActivations(device)
+
     # torchtune's `profiler` section: a trace of a few steps (a no-op when off)
     profiler = profiling.build_profiler(settings.get("profiler"), output_dir)
     profiler.start()
@@ -248,15 +266,23 @@ def train(cfg: DictConfig) -> list[dict]:
             inputs, labels, extra = context_parallel.shard_batch(batch, cp_group)
             # (ring attention over the group inside, for the forward and backward pass)
             with context_parallel.context_parallel_attention(cp_group):
-                logits = model(inputs, **extra)
-                loss, tokens = training.summed_loss(loss_fn, logits, labels)
-                loss.backward()
+                with offload:  # what forward saves for backward goes to CPU memory
+                    logits = model(inputs, **extra)
+                    loss, tokens = training.summed_loss(loss_fn, logits, labels)
+                if in_backward:  # the shards step in backward: scale to the mean first
+                    _, all_tokens = training.step_loss(  # every rank's tokens
+                        loss.item(), tokens, step, device, world_size
+                    )
+                    (loss / (all_tokens / world_size)).backward()
+                else:
+                    loss.backward()  # summed over tokens: divided once, after the last
             loss_sum, num_tokens = loss_sum + loss.item(), num_tokens + tokens
         # losses and trained tokens summed over ranks; FSDP averaged the gradients
         loss, num_tokens = training.step_loss(
             loss_sum, num_tokens, step, device, world_size
         )
-        training.scale_grads(model, world_size / num_tokens)
+        if not in_backward:  # stepped in backward: the gradients were means, and gone
+            training.scale_grads(model, world_size / num_tokens)
         metrics = {"step": step, "loss": loss}
         if cfg.get("clip_grad_norm"):
             metrics["grad_norm"] = training.clip_gradients(trained, cfg.clip_grad_norm)

@@ -68,7 +68,7 @@ CONFIG_KEYS = {
     ),
     "optimizer_in_bwd": (
         False,
-        "step each parameter during backward (single-device full/LoRA)",
+        "step each parameter during backward (full/LoRA fine-tunes)",
     ),
     "shuffle": (True, "shuffle the training set each epoch"),
     "sanity_check": (None, "train on only the first N samples (tunelit run --sanity)"),

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['load_balanced_positions', 'shard_batch', 'block_attention', 'merge_attention', 'block_attention_grads',
            'RingAttention', 'ring_attention', 'ContextParallelAttention', 'context_parallel_attention',
-           'check_context_parallel', 'context_parallel_group']
+           'check_context_parallel', 'context_parallel_group', 'recompute_in_ring']
 
 # %% ../../nbs/78d_context_parallel.ipynb #c4beeb12
 from contextlib import nullcontext
@@ -49,9 +49,15 @@ def shard_batch(
     `batch`: with `group` None the whole batch; else the load-balanced chunks of each
     row (padded to a multiple of 2 x the group's size) and their positions."""
     labels = shift_labels(batch["labels"], ignore_index)
-    extra = {k: batch[k] for k in ("mask", "input_pos") if k in batch}
-    if group is None:
+    names = ("mask", "input_pos", "encoder_input", "encoder_mask")
+    extra = {k: batch[k] for k in names if k in batch}
+    if group is None:  # a vision model's images and cross-attention mask included
         return batch["tokens"], labels, extra
+    if "encoder_input" in extra:
+        raise ValueError(
+            "samples with images (a vision model) with context_parallel_dim > 1: the "
+            "ring splits self-attention only; set context_parallel_dim: 1."
+        )
     if extra:
         raise ValueError(
             "packed samples (a document mask) with context_parallel_dim > 1: ring "
@@ -240,11 +246,22 @@ def ring_attention(
 
 
 class ContextParallelAttention(TorchFunctionMode):
-    "Inside it, causal `F.scaled_dot_product_attention` calls run as `ring_attention`."
+    """Inside it, causal `F.scaled_dot_product_attention` calls run as `ring_attention`.
+    `ContextParallelAttention.entered` lists the rings entered and not yet left."""
+
+    entered: list["ContextParallelAttention"] = []
 
     def __init__(self, group: Any) -> None:
         super().__init__()
         self.group = group
+
+    def __enter__(self) -> "ContextParallelAttention":
+        ContextParallelAttention.entered.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        ContextParallelAttention.entered.remove(self)
+        super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -275,7 +292,6 @@ def check_context_parallel(
     packed: bool = False,
     tensor_parallel_dim: int = 1,
     compile: bool = False,
-    activation_checkpointing: bool = False,
 ) -> None:
     "Refuse a context-parallel setup this module cannot run, naming the key and why."
     n = context_parallel_dim
@@ -292,10 +308,6 @@ def check_context_parallel(
         "packed": (packed, "the ring is plain causal attention, no document mask"),
         "tensor_parallel_dim": (tensor_parallel_dim != 1, "the splits do not combine"),
         "compile": (compile, "the ring's hook on SDPA runs in eager mode only"),
-        "enable_activation_checkpointing": (
-            activation_checkpointing,
-            "the layers recomputed in backward run outside the ring's hook",
-        ),
     }
     for key, (on, why) in refused.items():
         if on:
@@ -320,3 +332,13 @@ def context_parallel_group(context_parallel_dim: int) -> Optional[Any]:
         return None
     group, _ = dist.new_subgroups(group_size=context_parallel_dim)
     return group
+
+# %% ../../nbs/78d_context_parallel.ipynb #cpac0002
+def recompute_in_ring() -> tuple[Any, Any]:
+    """A `context_fn` for `torch.utils.checkpoint`: (the forward pass's context, the
+    recomputation's). A layer whose forward pass ran inside a ring is recomputed in a
+    ring over the same group; outside one, both contexts do nothing."""
+    if not ContextParallelAttention.entered:
+        return nullcontext(), nullcontext()
+    ring = ContextParallelAttention.entered[-1]  # the innermost
+    return nullcontext(), ContextParallelAttention(ring.group)

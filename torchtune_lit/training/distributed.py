@@ -16,10 +16,15 @@ import torch.distributed as dist
 import torchtune_lit.modules.peft as peft
 import torchtune_lit.training.resume as resume
 import torchtune_lit.training.sharding as sharding
+from torchtune_lit.training.memory import (
+    OptimizerInBackward,
+    compile_model,
+    set_activation_checkpointing,
+)
 
 from . import preflight
 from .checkpointing import find_nonfinite, load_lora_model
-from .memory import compile_model, set_activation_checkpointing
+from .context_parallel import recompute_in_ring
 
 # %% ../../nbs/78_distributed_parts.ipynb #42f50ce1
 def _shard(
@@ -37,7 +42,10 @@ def _shard(
     if mesh is not None:
         sharding.parallelize_decoder(model, mesh["tp"], tp_plan)
     if activation_checkpointing:
-        set_activation_checkpointing(model)
+        # a layer's recomputation in backward re-enters the ring its forward ran in
+        # (context parallelism); compiled layers take no such context (nor the ring)
+        context_fn = None if compile else recompute_in_ring
+        set_activation_checkpointing(model, context_fn=context_fn)
     if compile:
         compile_model(model)
     return sharding.shard_model(
@@ -173,6 +181,29 @@ def preflight_printer(
 
     return inspect
 
+# %% ../../nbs/78_distributed_parts.ipynb #inbwd002
+def _checkpointed_optimizers(optimizer: torch.optim.Optimizer) -> Any:
+    """What a sharded checkpoint saves for `optimizer`: the optimizer, or the list of
+    per-parameter optimizers of an `OptimizerInBackward`."""
+    if isinstance(optimizer, OptimizerInBackward):
+        return list(optimizer.optimizers.values())
+    return optimizer
+
+
+def _check_same_optimizer_kind(folder: Path, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse to resume per-parameter optimizer states into one optimizer, or the
+    reverse: the step checkpoint's recipe state says which kind saved it."""
+    saved = resume.load_recipe_state(folder).get("optimizer_in_bwd", False)
+    now = isinstance(optimizer, OptimizerInBackward)
+    if saved != now:
+        raise ValueError(
+            f"{folder} was saved with optimizer_in_bwd={str(saved).lower()} and this "
+            f"run has optimizer_in_bwd={str(now).lower()}: the optimizer states are "
+            "kept per parameter with it and in one optimizer without it. Resume with "
+            f"optimizer_in_bwd={str(saved).lower()}, or start without "
+            "resume_from_checkpoint."
+        )
+
 # %% ../../nbs/78_distributed_parts.ipynb #9082d5f4
 def resume_sharded(
     model: torch.nn.Module,
@@ -191,8 +222,13 @@ def resume_sharded(
             "no step_N checkpoint; run with save_every_n_steps first, or drop "
             "resume_from_checkpoint."
         )
+    _check_same_optimizer_kind(folder, optimizer)  # per parameter or not, as saved
     built = resume.base_lrs(optimizer)  # this run's rates, which resuming keeps
-    state = sharding.load_sharded_checkpoint(model, optimizer, folder)
+    state = sharding.load_sharded_checkpoint(
+        model, _checkpointed_optimizers(optimizer), folder
+    )
+    if isinstance(optimizer, OptimizerInBackward):  # its groups: the loaded ones
+        optimizer.load_state_dict(optimizer.state_dict())
     if lr_scheduler is not None and state.get("lr_scheduler") is not None:
         lr_scheduler.load_state_dict(state["lr_scheduler"])
     changed = resume.set_base_lrs(optimizer, lr_scheduler, built)
@@ -268,12 +304,15 @@ def save_sharded_step(
         "epoch": epoch,
         "steps_into_epoch": steps_into_epoch,
         "step": step,
+        # resuming needs the same kind of optimizer: one, or one per parameter
+        "optimizer_in_bwd": isinstance(optimizer, OptimizerInBackward),
     }
     folder = Path(output_dir) / f"step_{step}"
     group = pending.group if pending is not None else None
     started = sharding.start_sharded_checkpoint(
-        model, optimizer, folder, state, async_save=async_save, group=group
-    )
+        model, _checkpointed_optimizers(optimizer), folder, state,
+        async_save=async_save, group=group,
+    )  # fmt: skip
     if async_save:
         return started
     finish_sharded_step(started, output_dir, rank, keep_last)
