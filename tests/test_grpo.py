@@ -81,11 +81,13 @@ def test_grpo_distributed_on_two_processes(tmp_path, sft_start):
     out = tmp_path / "multi"
     result = run("--nproc_per_node", "2", "--master_port", "29531", "grpo_full_finetune_distributed", "--config",
                  "tiny/grpo_distributed", f"checkpointer.checkpoint_dir={sft_start}", *SMALL, "max_steps_per_epoch=4",
-                 f"output_dir={out}")
+                 f"output_dir={out}", "dynamic_sampling=true", "scale_rewards=none")
     assert "GRPO: mean reward" in result.stdout
     history = records(out / "log.jsonl")
     assert len(history) == 4 and history[0]["kl"] == 0.0 and history[0]["ratio"] == 1.0
     assert {"reward", "rewards/correct", "rewards/format", "accuracy", "val_accuracy"} <= set(history[3])
+    # DAPO's dynamic sampling across ranks: the share of the sampled groups each step trains on
+    assert all(0 < h["kept_groups"] <= 1 for h in history), history
     saved = load_file(out / "epoch_0" / "model.safetensors")
     start = load_file(sft_start / "model.safetensors")
     assert saved.keys() == start.keys() and any(not torch.equal(saved[k], start[k]) for k in start)

@@ -178,3 +178,24 @@ def test_tool_turn_tokens_under_a_checkpoint_template():
     assert ours.decode(turn) == long[len(short):]
     assert long[len(short):] == f'<|start_header_id|>ipython<|end_header_id|>\n\n"{row["answer"]}"<|eot_id|>' \
         "<|start_header_id|>assistant<|end_header_id|>\n\n"
+
+
+def test_tool_splits_are_dealt_by_the_generator_and_disjoint():
+    """The validation split (tool_calls_val) and the second held-out set (tool_calls_test) are the generator's next
+    rows after the training and held-out ones, which stay as shipped; no question is in two files, and tiny/tool_grpo
+    validates on the validation split, never on a held-out file."""
+    from torchtune_lit.datasets._tiny_world import make_tool_examples
+
+    dealt = make_tool_examples(n_train=480 + 96 + 192, n_eval=48, seed=0)
+    splits = {"train": dealt["train"][:480], "eval": dealt["eval"], "val": dealt["train"][480:576],
+              "test": dealt["train"][576:]}
+    seen = set()
+    for name, expected in splits.items():
+        shipped = [json.loads(line) for line in open(_asset_path(f"tiny/tool_calls_{name}.jsonl"))]
+        assert shipped == expected, name
+        questions = {r["expression"] for r in shipped}
+        assert len(questions) == len(shipped) and not questions & seen, name
+        seen |= questions
+    cfg = config.load_config(TOOL_GRPO, [])
+    assert cfg.validation_dataset.data_files.endswith("tiny/tool_calls_val.jsonl")
+    assert cfg.dataset.data_files.endswith("tiny/tool_calls_train.jsonl") and cfg.dataset.split == "train[384:]"

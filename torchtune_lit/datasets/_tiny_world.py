@@ -524,8 +524,12 @@ def build_tiny_world(
         "chat.jsonl": make_chat_examples(96, seed=seed),
         "preference.jsonl": make_preference_examples(per_label=16, seed=seed),
     }
-    tool_task = make_tool_examples(n_train=480, n_eval=48, seed=seed)
-    files["tool_calls_train.jsonl"] = tool_task["train"]
+    # the generator deals questions in a fixed order: asking for more leaves the
+    # first 480 (SFT's) and the 48 held out unchanged
+    tool_task = make_tool_examples(n_train=480 + 96 + 192, n_eval=48, seed=seed)
+    files["tool_calls_train.jsonl"] = tool_task["train"][:480]
+    files["tool_calls_val.jsonl"] = tool_task["train"][480:576]  # GRPO's choices
+    files["tool_calls_test.jsonl"] = tool_task["train"][576:]  # a second held-out set
     files["tool_calls_eval.jsonl"] = tool_task["eval"]
     for name, rows in files.items():
         _write_jsonl(rows, out / name)

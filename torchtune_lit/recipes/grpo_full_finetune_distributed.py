@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
@@ -87,6 +88,19 @@ CONFIG_KEYS = {
     "max_new_tokens": ("required", "tokens to generate at most"),
     "temperature": (1.0, "sampling temperature (0: greedy)"),
     "top_k": (None, "sample among the k most likely tokens (null: all)"),
+    "scale_rewards": (
+        "group",
+        "advantages over the group's std (group), or none (Dr. GRPO; batch: refused)",
+    ),
+    "dynamic_sampling": (
+        False,
+        "DAPO: drop groups whose rewards are all equal, sample more to fill the batch",
+    ),
+    "max_resample_rounds": (
+        3,
+        "dynamic sampling: extra rounds per micro-batch at most",
+    ),
+    "tools": (None, "tool calls in the episodes: the single-device recipe's (refused)"),
 }
 
 # %% ../../nbs/8b_grpo_full_finetune_distributed.ipynb #14c0e906
@@ -105,6 +119,15 @@ def train(cfg: DictConfig) -> list[dict]:
     grpo_parts.check_grpo_settings(
         cfg.get("group_size", 1), cfg.get("ppo_epochs", 1), reward_functions
     )
+    scale_rewards = cfg.get("scale_rewards", "group")
+    dynamic = cfg.get("dynamic_sampling", False)
+    rounds = cfg.get("max_resample_rounds", 3)
+    if scale_rewards == "batch" or cfg.get("tools"):
+        raise ValueError(
+            "scale_rewards=batch and tools are the single-device GRPO recipe's: here "
+            "each rank scores its own micro-batches (a batch std would be a rank's, not "
+            "the batch's) and decodes in lockstep (a tool turn would stall the others)."
+        )
     # this recipe honours fsdp_cpu_offload (a one-device recipe refuses it)
     config.check_run_values(cfg, supported=("fsdp_cpu_offload",))
     rank, world_size, device = training.init_distributed()
@@ -210,25 +233,52 @@ def train(cfg: DictConfig) -> list[dict]:
     step = start.step
     for epoch, i, micro in batches:
         step, started = step + 1, time.perf_counter()
-        samples = []  # all from the policy before the update
+        samples, sums = [], {}  # all from the policy before the update
         for k, batch in enumerate(micro):
-            # fixed by (seed, step, rank, micro-batch); sharded forwards are
-            # collectives, so every rank decodes max_new_tokens (no early stop)
-            generator = grpo_parts.rollout_generator(cfg.seed, device, step, rank, k)
-            sample = grpo_parts.rollout(
-                model, reference, tokenizer, reward_functions, batch, cfg.group_size,
-                cfg.max_new_tokens, generator, cfg.get("temperature", 1.0),
-                cfg.get("top_k"), stop_early=False, keep_old_logps=ppo_epochs > 1,
-            )  # fmt: skip
-            samples.append(sample)
-        sums = {}
-        for sample in samples:
-            for key, value in grpo_parts.rollout_sums(sample).items():
-                sums[key] = sums.get(key, 0.0) + value
+            wanted, drawn = len(batch["answers"]), []  # groups; this batch's rollouts
+            for extra in range(1 + (rounds if dynamic else 0)):
+                if extra:  # dynamic sampling: another round while any rank lacks groups
+                    have = sum(
+                        int(grpo_parts.informative_groups(s).sum()) for s in drawn
+                    )
+                    short = torch.tensor(float(have < wanted), device=device)
+                    dist.all_reduce(short, op=dist.ReduceOp.MAX)
+                    if short.item() == 0:
+                        break
+                    batch = grpo_parts.extra_prompts(
+                        dataset, rewards.padded_collate_prompts, wanted, cfg.seed,
+                        step, rank, k, extra,
+                    )  # fmt: skip
+                # fixed by (seed, step, rank, micro-batch[, round]); sharded forwards
+                # are collectives, so every rank decodes max_new_tokens (no early stop)
+                key = (step, rank, k, extra) if extra else (step, rank, k)
+                generator = grpo_parts.rollout_generator(cfg.seed, device, *key)
+                sample = grpo_parts.rollout(
+                    model, reference, tokenizer, reward_functions, batch,
+                    cfg.group_size, cfg.max_new_tokens, generator,
+                    cfg.get("temperature", 1.0), cfg.get("top_k"), stop_early=False,
+                    keep_old_logps=ppo_epochs > 1, scale_rewards=scale_rewards,
+                )  # fmt: skip
+                drawn.append(sample)
+            for sample in drawn:  # the log counts every answer sampled
+                for name, value in grpo_parts.rollout_sums(sample).items():
+                    sums[name] = sums.get(name, 0.0) + value
+            samples += grpo_parts.fill_groups(drawn, wanted) if dynamic else drawn
+        # (sample, weight) per forward pass; with dynamic sampling the ranks may keep
+        # different numbers of pieces, and FSDP's passes are collectives: the others
+        # repeat their first piece with weight 0 (computed, contributing nothing)
+        passes = [(sample, 1.0) for sample in samples]
+        if dynamic:
+            sums["kept_groups"] = sum(
+                s["reward"].numel() / s["rollout"].group_size for s in samples
+            )
+            most = torch.tensor(float(len(samples)), device=device)
+            dist.all_reduce(most, op=dist.ReduceOp.MAX)
+            passes += [(samples[0], 0.0)] * (int(most.item()) - len(samples))
         for ppo_epoch in range(ppo_epochs):
             loss_sum, answers = 0.0, 0
             stats_sums = {"kl": 0.0, "ratio": 0.0, "clipfrac": 0.0}
-            for sample in samples:
+            for sample, weight in passes:
                 logps = rlhf.completion_log_probs(model, sample["rollout"].tokens)
                 old = sample["old_logps"]  # None: on-policy, the policy's own
                 old = logps.detach() if old is None else old
@@ -236,11 +286,12 @@ def train(cfg: DictConfig) -> list[dict]:
                     logps, old, sample["ref_logps"], sample["advantages"],
                     sample["rollout"].mask,
                 )  # fmt: skip
-                losses.sum().backward()  # each answer's loss is a mean over its tokens
-                loss_sum += losses.sum().item()
-                answers += len(losses)
+                # each answer's loss is a mean over its tokens
+                (weight * losses.sum()).backward()
+                loss_sum += weight * losses.sum().item()
+                answers += int(weight) * len(losses)
                 for key in stats_sums:
-                    stats_sums[key] += stats[key].sum().item()
+                    stats_sums[key] += weight * stats[key].sum().item()
             # losses and answers summed over ranks; FSDP averaged the gradients
             loss, answers = training.step_loss(
                 loss_sum, answers, step, device, world_size
@@ -259,6 +310,9 @@ def train(cfg: DictConfig) -> list[dict]:
         sums.update(stats_sums)  # the last pass's
         sums = grpo_parts.sum_over_ranks(sums, device, world_size)
         metrics.update(grpo_parts.per_answer_means(sums))
+        # the loss's statistics are means over the answers trained on (all ranks'):
+        # with dynamic sampling, fewer than were sampled
+        metrics.update({key: sums[key] / answers for key in stats_sums})
         metrics["seconds"] = time.perf_counter() - started
 
         # 5. held-out accuracy over every rank's share; rank 0 logs; a sharded step

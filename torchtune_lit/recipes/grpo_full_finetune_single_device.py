@@ -284,6 +284,9 @@ def train(cfg: DictConfig) -> list[dict]:
                 lr_scheduler.step()  # once per sampling step
         sums.update(stats_sums)  # the last pass's
         metrics.update(grpo_parts.per_answer_means(sums))
+        # the loss's statistics are means over the answers trained on: with dynamic
+        # sampling, fewer than were sampled
+        metrics.update({key: stats_sums[key] / answers for key in stats_sums})
         metrics["seconds"] = time.perf_counter() - started
 
         # 5. held-out accuracy every so many steps; log; a step checkpoint
