@@ -155,6 +155,13 @@ CASES = {
                           "is a file, not a built-in recipe or config"),
     "cp onto an existing file": (lambda t: ["cp", "tiny/lora", str(t / "null.jsonl")],
                                  "already exists; pass --force to overwrite it."),
+    # vision: the whole-model checkpointer on a text checkpoint; pictures given to a text-only tokenizer
+    "LLAMA3_VISION on a text checkpoint": (lambda t: lora(t / "o", "checkpointer.model_type=LLAMA3_VISION"),
+                                           "model_type LLAMA3_VISION reads a 'mllama' checkpoint, but"),
+    "pictures for a text tokenizer": (
+        lambda t: ["run", "full_finetune_single_device", "--config", "tiny/vision", f"output_dir={t / 'o'}", *FAST,
+                   "tokenizer._component_=torchtune_lit.datasets.tiny_tokenizer", "~tokenizer.max_seq_len"],
+        "message 0 holds an image, but this tokenizer writes no images"),
     # folders a run must not own (#39)
     "output_dir=/": (lambda t: lora(Path("/")), "output_dir=/ is the root folder; a run writes there and "
                                                 "overwrite=true deletes there"),

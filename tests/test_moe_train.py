@@ -22,7 +22,7 @@ def test_moe_lora_recipe_runs_and_merged_checkpoint_loads_in_transformers(tmp_pa
     out = tmp_path / "run"
     result = subprocess.run(
         [TUNELIT, "run", "lora_finetune_single_device", "--config", str(CONFIG), f"output_dir={out}",
-         "progress_bar=false", "max_steps_per_epoch=10", "validation_dataset=null"],
+         "progress_bar=false", "epochs=1", "max_steps_per_epoch=10", "validation_dataset=null"],
         capture_output=True, text=True, timeout=600, cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]

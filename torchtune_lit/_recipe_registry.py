@@ -63,7 +63,8 @@ _FULL_BOTH = [
 ]
 # ... and those torchtune ships as distributed configs only
 _FULL_DISTRIBUTED = [
-    "llama3_1/8B_full", "qwen3/8B_full", "gemma2/2B_full", "mistral/7B_full"
+    "llama3_1/8B_full", "qwen3/8B_full", "gemma2/2B_full", "mistral/7B_full",
+    "llama3_2_vision/11B_full",
 ]
 
 
@@ -77,6 +78,7 @@ def _full_finetune_recipes() -> list[Recipe]:
                 "tiny/pretrain",
                 "tiny/full",
                 "tiny/tool_sft",
+                "tiny/vision",
                 *[f"{name}_single_device" for name in _FULL_BOTH],
             ),
             supports_distributed=False,
@@ -95,6 +97,7 @@ _LORA_BOTH = [
     "llama3_2/1B_lora", "llama3_2/3B_lora", "llama3_1/8B_lora", "qwen2_5/0.5B_lora",
     "qwen2_5/1.5B_lora", "qwen2_5/7B_lora", "qwen3/0.6B_lora", "qwen3/1.7B_lora",
     "qwen3/4B_lora", "qwen3/8B_lora", "gemma2/2B_lora", "mistral/7B_lora",
+    "llama3_2_vision/11B_lora",
 ]
 # ... and those with a one-device config only
 _LORA_SINGLE_ONLY = [
@@ -102,11 +105,16 @@ _LORA_SINGLE_ONLY = [
     "gemma3/4B_lora", "phi4/14B_qlora", "mistral/nemo_12B_lora",
     # torchtune's 70B_qlora is distributed; here its name maps to the one-device
     # config (QLoRA under FSDP2 runs: tiny/lora_distributed with qlora_tiny_llama)
-    "llama3_3/70B_qlora",
+    "llama3_3/70B_qlora", "llama3_2_vision/11B_qlora",
 ]
 # one-device configs that are new with torchtune's names (no old name to alias)
 _LORA_NEW_SINGLE = [
     "llama3_2/3B_qlora", "gemma2/2B_qlora", "mistral/7B_qlora",
+]
+# mixtures of experts too large for one device: distributed configs only (LoRA on
+# attention and on every expert; no NF4 form for the experts, so no QLoRA)
+_LORA_DISTRIBUTED_ONLY = [
+    "mixtral/8x7B_lora", "qwen3_moe/30B_A3B_lora", "llama4/scout_17B_16E_lora",
 ]
 
 
@@ -126,7 +134,9 @@ def _lora_recipes() -> list[Recipe]:
         Recipe(
             name="lora_finetune_distributed",
             file_path="lora_finetune_distributed.py",
-            configs=_configs("tiny/lora_distributed", *_LORA_BOTH),
+            configs=_configs(
+                "tiny/lora_distributed", *_LORA_BOTH, *_LORA_DISTRIBUTED_ONLY
+            ),
             supports_distributed=True,
         ),
     ]

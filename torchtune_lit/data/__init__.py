@@ -7,8 +7,8 @@ __all__ = ['left_pad_sequence', 'padded_collate', 'padded_collate_dpo', 'padded_
            'padded_collate_tiled_images_and_mask', 'CROSS_ENTROPY_IGNORE_IDX', 'AlpacaToMessages', 'ChatMLTemplate',
            'ChosenRejectedToMessages', 'ColumnError', 'GrammarErrorCorrectionTemplate', 'InputOutputToMessages',
            'MaskingStrategy', 'Message', 'OpenAIToMessages', 'PromptTemplate', 'QuestionAnswerTemplate',
-           'ShareGPTToMessages', 'SummarizeTemplate', 'mask_messages', 'read_column', 'tool_call_function', 'truncate',
-           'validate_messages']
+           'ShareGPTToMessages', 'SummarizeTemplate', 'format_content_with_images', 'load_image', 'mask_messages',
+           'read_column', 'tool_call_function', 'truncate', 'validate_messages']
 
 # %% ../../nbs/48_data_map.ipynb #578f6890
 from torchtune_lit.data._collate import (
@@ -34,6 +34,8 @@ from torchtune_lit.data._messages import (
     QuestionAnswerTemplate,
     ShareGPTToMessages,
     SummarizeTemplate,
+    format_content_with_images,
+    load_image,
     mask_messages,
     read_column,
     tool_call_function,
@@ -62,6 +64,8 @@ _all_ = [
     "QuestionAnswerTemplate",
     "ShareGPTToMessages",
     "SummarizeTemplate",
+    "format_content_with_images",
+    "load_image",
     "mask_messages",
     "read_column",
     "tool_call_function",

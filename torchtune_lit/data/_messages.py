@@ -6,8 +6,9 @@
 __all__ = ['CROSS_ENTROPY_IGNORE_IDX', 'ROLES', 'ALPACA_PROMPT_WITH_INPUT', 'ALPACA_PROMPT_NO_INPUT',
            'GrammarErrorCorrectionTemplate', 'SummarizeTemplate', 'QuestionAnswerTemplate', 'tool_call_function',
            'Message', 'validate_messages', 'MaskingStrategy', 'mask_messages', 'ColumnError', 'read_column',
-           'InputOutputToMessages', 'OpenAIToMessages', 'ShareGPTToMessages', 'ChosenRejectedToMessages',
-           'AlpacaToMessages', 'PromptTemplate', 'truncate', 'ChatMLTemplate']
+           'load_image', 'format_content_with_images', 'InputOutputToMessages', 'OpenAIToMessages',
+           'ShareGPTToMessages', 'ChosenRejectedToMessages', 'AlpacaToMessages', 'PromptTemplate', 'truncate',
+           'ChatMLTemplate']
 
 # %% ../../nbs/41_messages.ipynb #8f71f962
 from dataclasses import dataclass, replace
@@ -295,6 +296,49 @@ def _load_image(value: Any, image_dir: Optional[Union[str, Path]] = None) -> Any
     from PIL import Image
 
     return Image.open(path)
+
+# %% ../../nbs/41_messages.ipynb #limg0code
+def load_image(image_loc: Union[Path, str]) -> Any:
+    """The image at a local path or an http(s) address as an RGB uint8 tensor
+    [3, height, width]; a ValueError naming the place when it cannot be read."""
+    import io
+    from urllib import request
+
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    remote = isinstance(image_loc, str) and image_loc.startswith("http")
+    try:
+        source = io.BytesIO(request.urlopen(image_loc).read()) if remote else image_loc
+        with Image.open(source) as image:
+            pixels = np.asarray(image.convert("RGB"))
+    except Exception as e:
+        where = "remote" if remote else "local"
+        raise ValueError(
+            f"Failed to load {where} image {image_loc} as a tensor: {e}"
+        ) from e
+    return torch.from_numpy(pixels.copy()).permute(2, 0, 1)
+
+
+def format_content_with_images(
+    content: str, *, image_tag: str, images: list[Any]
+) -> list[dict[str, Any]]:
+    """`content` split at each `image_tag` into message parts: the text pieces (empty
+    ones dropped) and, for each tag, the next of `images`."""
+    tags = content.count(image_tag)
+    if len(images) != tags:
+        raise ValueError(
+            f"Number of images ({len(images)}) does not match number of image tags "
+            f"({tags}) in content: {content}"
+        )
+    parts, pieces = [], content.split(image_tag)
+    for i, piece in enumerate(pieces):
+        if piece:
+            parts.append({"type": "text", "content": piece})
+        if i < len(images):
+            parts.append({"type": "image", "content": images[i]})
+    return parts
 
 # %% ../../nbs/41_messages.ipynb #79154a36
 class InputOutputToMessages:

@@ -326,7 +326,9 @@ class SFTDataset(Dataset):
                     "dataset.num_untrainable.",
                     stacklevel=2,
                 )
-        return {"tokens": list(sample["tokens"]), "labels": [int(l) for l in labels]}
+        # a vision model transform's images and cross-attention mask travel along
+        extra = {k: v for k, v in sample.items() if k not in ("messages", "mask")}
+        return {**extra, "tokens": list(sample["tokens"]), "labels": [int(l) for l in labels]}
 
 # %% ../../nbs/43_datasets.ipynb #db215a11
 def _maybe_pack(ds: Dataset, tokenizer: Any, packed: bool) -> Dataset:

@@ -94,11 +94,18 @@ def _decode(
     stop_tokens: Optional[Sequence[int]],
     pad_id: int,
     stop_early: bool = True,
+    encoder_input: Optional[dict] = None,
+    encoder_mask: Optional[torch.Tensor] = None,
 ) -> list[torch.Tensor]:
     """The new token of each row [batch], step by step: a prefill over the left-padded
     prompt, then one column a step through the KV cache; with `stop_early`, until every
-    row has stopped.
+    row has stopped. A vision model's `encoder_input` (its images) is read once, in
+    the prefill; each new token sees what the prompt's last token sees.
     """
+    vision = {}
+    if encoder_input is not None:
+        vision = {"encoder_input": encoder_input, "encoder_mask": encoder_mask}
+    later = {} if encoder_mask is None else {"encoder_mask": encoder_mask[:, -1:]}
     device = tokens.device
     batch, prompt_len = tokens.shape
     total = prompt_len + max_new_tokens
@@ -114,6 +121,7 @@ def _decode(
         tokens,
         mask=get_causal_mask_from_padding_mask(padding, target_seq_len=total),
         input_pos=positions,
+        **vision,
     )
     next_pos = positions[:, -1] + 1
     padded = not bool(padding.all())
@@ -128,7 +136,7 @@ def _decode(
         if (stop_early and done.all()) or step == max_new_tokens - 1:
             break
         if not padded:  # every row sees all cached tokens; positions follow the cache
-            logits = model(token[:, None])
+            logits = model(token[:, None], **later)
             continue
         column = prompt_len + step
         visible[:, column] = True
@@ -136,7 +144,7 @@ def _decode(
             visible[:, None, :]
             & (torch.arange(total, device=device) <= column)[None, None, :]
         )
-        logits = model(token[:, None], mask=mask, input_pos=next_pos[:, None])
+        logits = model(token[:, None], mask=mask, input_pos=next_pos[:, None], **later)
         next_pos = next_pos + 1
     return generated
 
@@ -163,6 +171,52 @@ def check_sampling(
             f"top_p must be in (0, 1] or null (no nucleus cut), got {top_p!r}."
         )
 
+# %% ../../nbs/90_generation.ipynb #gvis0code
+def _check_room(model: torch.nn.Module, prompt_len: int, max_new_tokens: int) -> None:
+    "The prompt and the new tokens within the model's (a vision model's decoder's)."
+    limit = getattr(model, "decoder", model).max_seq_len
+    if prompt_len + max_new_tokens > limit:
+        raise ValueError(
+            f"prompt ({prompt_len}) + max_new_tokens ({max_new_tokens}) "
+            f"exceeds the model's max_seq_len {limit}; shorten the prompt or lower "
+            "max_new_tokens."
+        )
+
+
+def _check_vision_prompt(
+    padding: torch.Tensor,
+    encoder_input: Optional[dict],
+    encoder_mask: Optional[torch.Tensor],
+) -> None:
+    "Images need their mask, one row per prompt token, and prompts of one length."
+    if encoder_input is None:
+        return
+    if encoder_mask is None or tuple(encoder_mask.shape[:2]) != tuple(padding.shape):
+        shape = None if encoder_mask is None else tuple(encoder_mask.shape)
+        raise ValueError(
+            f"encoder_input needs encoder_mask [batch, seq, encoder tokens] with the "
+            f"prompts' {tuple(padding.shape)}; got {shape}."
+        )
+    if not bool(padding.all()):
+        raise ValueError(
+            "with encoder_input the prompts must have one length (a [batch, seq] "
+            "tensor): generate prompts of different lengths one at a time."
+        )
+
+
+def _setup_caches(
+    model: torch.nn.Module, batch: int, total: int, encoder_mask: Optional[torch.Tensor]
+) -> None:
+    "KV caches for `total` positions (and a vision model's encoder outputs)."
+    dtype = next(model.parameters()).dtype
+    if encoder_mask is None:
+        model.setup_caches(batch_size=batch, dtype=dtype, decoder_max_seq_len=total)
+    else:
+        model.setup_caches(
+            batch_size=batch, dtype=dtype, decoder_max_seq_len=total,
+            encoder_max_seq_len=encoder_mask.shape[-1],
+        )  # fmt: skip
+
 # %% ../../nbs/90_generation.ipynb #6664d883
 @torch.no_grad()
 def generate(
@@ -180,6 +234,8 @@ def generate(
     prompt: Optional[torch.Tensor] = None,
     max_generated_tokens: Optional[int] = None,
     compiled_generate_next_token: Optional[Callable] = None,
+    encoder_input: Optional[dict] = None,
+    encoder_mask: Optional[torch.Tensor] = None,
 ) -> Union[list[list[int]], tuple[torch.Tensor, torch.Tensor]]:
     """Generate up to `max_new_tokens` after each prompt (a [seq] / [batch, seq] tensor
     or a list of token lists of any lengths); returns the new tokens of each prompt,
@@ -189,6 +245,8 @@ def generate(
 
     torchtune's form — `prompt=`, `max_generated_tokens=` (temperature 1.0 by
     default) — returns torchtune's `(tokens, logits)` tensors instead (see below).
+    A vision model (`DeepFusionModel`) takes its images as `encoder_input` and the
+    prompt's cross-attention mask `encoder_mask` [batch, seq, encoder tokens].
     """
     if max_generated_tokens is not None:
         return _generate_with_logits(
@@ -212,21 +270,16 @@ def generate(
     tokens, padding = _left_padded(prompt_tokens, pad_id, device)
     batch, prompt_len = tokens.shape
     total = prompt_len + max_new_tokens
-    if total > model.max_seq_len:
-        raise ValueError(
-            f"prompt ({prompt_len}) + max_new_tokens ({max_new_tokens}) "
-            f"exceeds the model's max_seq_len {model.max_seq_len}; shorten the "
-            "prompt or lower max_new_tokens."
-        )
-    dtype = next(model.parameters()).dtype
+    _check_room(model, prompt_len, max_new_tokens)
+    _check_vision_prompt(padding, encoder_input, encoder_mask)
     was_training = model.training
     model.eval()
-    model.setup_caches(batch_size=batch, dtype=dtype, decoder_max_seq_len=total)
+    _setup_caches(model, batch, total, encoder_mask)
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, rng=rng)
     try:
         generated = _decode(
             model, tokens, padding, max_new_tokens, sampling, stop_tokens, pad_id,
-            stop_early,
+            stop_early, encoder_input, encoder_mask,
         )  # fmt: skip
     finally:
         model.remove_caches()

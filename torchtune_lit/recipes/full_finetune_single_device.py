@@ -73,7 +73,7 @@ CONFIG_KEYS = {
     ),
     "optimizer_in_bwd": (
         False,
-        "step each parameter during backward (single-device full/LoRA)",
+        "step each parameter during backward (full/LoRA fine-tunes)",
     ),
     "shuffle": (True, "shuffle the training set each epoch"),
     "sanity_check": (None, "train on only the first N samples (tunelit run --sanity)"),
@@ -215,8 +215,10 @@ def train(cfg: DictConfig) -> list[dict]:
         step, started, loss_sum, num_tokens = step + 1, time.perf_counter(), 0.0, 0
         for batch in micro:
             with offload:  # what forward saves for backward goes to CPU memory
-                # packed rows carry their document mask and positions
-                extra = {k: batch[k] for k in ("mask", "input_pos") if k in batch}
+                # packed rows carry their document mask and positions; a vision
+                # model's rows their images and which tiles each token attends to
+                inputs = ("mask", "input_pos", "encoder_input", "encoder_mask")
+                extra = {k: batch[k] for k in inputs if k in batch}
                 logits = model(batch["tokens"], **extra)
                 labels = training.shift_labels(batch["labels"])
                 loss, tokens = training.summed_loss(loss_fn, logits, labels)

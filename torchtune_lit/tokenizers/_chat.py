@@ -49,23 +49,33 @@ Segment = Union[str, Special]
 class Llama3Format:
     """Llama 3 / 3.1 / 3.2 instruct format; a tool call is written as Llama 3.1 writes
     a call of a user-defined tool, a tool result under the `ipython` header, ending
-    with `<|eot_id|>` as Llama 3.1's template ends it (whatever its `eot`)."""
+    with `<|eot_id|>` as Llama 3.1's template ends it (whatever its `eot`). An image
+    is Llama 3.2 Vision's `<|image|>` token where it sits among the message's parts.
+    """
 
     bos, eos, end_of_turn = "<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"
+    image_token = "<|image|>"
     default_system_prompt = None
     writes_tool_calls = True
 
     def message(self, m: Message) -> list[Segment]:
         result = m.role in ("tool", "ipython")  # the template always ends its turn
         end = [Special(self.end_of_turn)] if m.eot or result else []
-        text = llama3_tool_call_text(m) if m.tool_calls else m.text_content.strip()
-        return [
+        header = [
             Special("<|start_header_id|>"),
             "ipython" if m.role == "tool" else m.role,
             Special("<|end_header_id|>"),
-            "\n\n" + text,
-            *end,
         ]
+        if m.contains_media:  # each part in its place, its text stripped
+            body = [
+                Special(self.image_token)
+                if p["type"] == "image"
+                else p["content"].strip()
+                for p in m.parts
+            ]
+            return [*header, "\n\n", *body, *end]
+        text = llama3_tool_call_text(m) if m.tool_calls else m.text_content.strip()
+        return [*header, "\n\n" + text, *end]
 
     def generation_prompt(self) -> list[Segment]:
         return [
@@ -275,8 +285,9 @@ def _refuse_media(messages: list[Message]) -> None:
     for i, message in enumerate(messages):
         if message.contains_media:
             raise ValueError(
-                f"message {i} holds an image, but this tokenizer's chat format is "
-                "text-only; use a vision model's tokenizer or drop the image column."
+                f"message {i} holds an image, but this tokenizer writes no images (a "
+                "text-only chat format, or no <|image|> token): use a vision model's "
+                "tokenizer or drop the image column."
             )
 
 
@@ -321,6 +332,9 @@ class ModelTokenizer:
         )
         self.eos_id = self.special_tokens[chat_format.eos]
         self.eot_id = self.special_tokens[chat_format.end_of_turn]
+        image = getattr(chat_format, "image_token", None)  # only a vision tokenizer's
+        if image is not None and base_tokenizer.token_to_id(image) is not None:
+            self.special_tokens[image] = base_tokenizer.token_to_id(image)
         self.vocab_size = base_tokenizer.vocab_size
         # the vocabulary without the added special tokens (tiktoken), as in torchtune
         self.base_vocab_size = getattr(
@@ -345,7 +359,8 @@ class ModelTokenizer:
     ) -> tuple[list[int], list[bool]]:
         "(tokens, mask) for a conversation; mask[i]: token i is not trained on."
         validate_messages(messages)
-        _refuse_media(messages)
+        if getattr(self.chat_format, "image_token", None) not in self.special_tokens:
+            _refuse_media(messages)  # a text-only format, or a tokenizer without one
         _refuse_tool_calls(messages, self.chat_format)
         if self.prompt_template is not None:
             messages = self.prompt_template(messages)
@@ -610,14 +625,26 @@ def mistral_tokenizer(
 
 
 def tiny_tokenizer(
-    path: Union[str, Path, None] = None, max_seq_len: Optional[int] = 256
+    path: Union[str, Path, None] = None,
+    max_seq_len: Optional[int] = 256,
+    image_token_id: Optional[int] = None,
 ) -> ModelTokenizer:
     """The shipped tiny model's tokenizer: its SentencePiece model (default: the
-    package's assets/tiny/tokenizer.model) in the Llama 3 chat format."""
+    package's assets/tiny/tokenizer.model) in the Llama 3 chat format.
+    `image_token_id` (the tiny vision model's: 2048, the first id after the text
+    vocabulary) writes each image of a message as `<|image|>` with that id."""
     assets = Path(torchtune_lit.__file__).resolve().parent / "assets" / "tiny"
-    return ModelTokenizer(
+    tokenizer = ModelTokenizer(
         _base_tokenizer(path or assets / "tokenizer.model"), Llama3Format(), max_seq_len
     )
+    if image_token_id is not None:
+        if image_token_id < tokenizer.vocab_size:
+            raise ValueError(
+                f"image_token_id={image_token_id} is a text token of this vocabulary "
+                f"(size {tokenizer.vocab_size}); use {tokenizer.vocab_size} or above."
+            )
+        tokenizer.special_tokens[Llama3Format.image_token] = image_token_id
+    return tokenizer
 
 # %% ../../nbs/42_chat_tokenizers.ipynb #b42c0a05
 def tokenize_messages_no_special_tokens(

@@ -59,16 +59,26 @@ def _parts(dataset: Any) -> list:
     return [dataset]
 
 
+def _carries_images(dataset: Any) -> bool:
+    "Whether the samples hold images for an encoder (a vision model's `encoder_input`)."
+    return len(dataset) > 0 and "encoder_input" in dataset[0]
+
+
 def _collate_for(dataset: Any, key: str = "dataset") -> Callable:
     """`padded_collate_packed` for packed data (a PackedDataset, or a ConcatDataset of
-    them), else `padded_collate_sft`; a mix is refused, naming the config key."""
+    them), `padded_collate_tiled_images_and_mask` for samples with images, else
+    `padded_collate_sft`; a mix of packed and not is refused, naming the config key."""
     packed = [isinstance(part, PackedDataset) for part in _parts(dataset)]
     if any(p != packed[0] for p in packed):
         raise ValueError(
             f"the datasets under {key}: disagree on packed ({packed}); set packed "
             "the same on each."
         )
-    return data.padded_collate_packed if packed[0] else data.padded_collate_sft
+    if packed[0]:
+        return data.padded_collate_packed
+    if _carries_images(dataset):
+        return data.padded_collate_tiled_images_and_mask
+    return data.padded_collate_sft
 
 # %% ../../nbs/71b_data_loading.ipynb #fb460225
 def build_dataloader(

@@ -300,13 +300,14 @@ def save_step_checkpoint(
 
 # %% ../../nbs/71c_resume.ipynb #343d45e1
 def _to_device(batch: Any, device: torch.device) -> Any:
-    """A batch (a tensor, a dict or a tuple of tensors) on `device`; a dict's values
-    that are not tensors (GRPO's prompts and answers) stay as they are."""
+    """A batch (a tensor, a dict or a tuple of tensors) on `device`, a vision batch's
+    nested `encoder_input` dict too; a dict's values that are not tensors (GRPO's
+    prompts and answers) stay as they are."""
     if isinstance(batch, torch.Tensor):
         return batch.to(device)
     if isinstance(batch, dict):
         return {
-            k: v.to(device) if isinstance(v, torch.Tensor) else v
+            k: _to_device(v, device) if isinstance(v, (torch.Tensor, dict)) else v
             for k, v in batch.items()
         }
     return tuple(t.to(device) for t in batch)

@@ -59,7 +59,8 @@ def shard_model(
     mesh: Optional[Any] = None,
     cpu_offload: bool = False,
 ) -> nn.Module:
-    """FSDP2: shard each transformer layer, then the root module; `param_dtype` sets a
+    """FSDP2: shard each transformer layer (a vision model's decoder, CLIP and
+    projection-head layers), then the root module; `param_dtype` sets a
     mixed-precision compute dtype; `mesh` (default: every process) the processes that
     share the shards (the data-parallel dimension under tensor parallelism);
     `cpu_offload` keeps the shards, their gradients and optimizer states in host memory.
@@ -78,10 +79,24 @@ def shard_model(
     if cpu_offload:  # pinned host memory needs an accelerator to pin for
         pin = torch.accelerator.is_available()
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=pin)
-    for layer in model.layers:
+    if hasattr(model, "layers"):
+        layers = list(model.layers)
+    else:  # a DeepFusionModel: its decoder's layers and its encoder's
+        encoder = model.encoder
+        layers = [*model.decoder.layers, *encoder.clip.layers]
+        layers += list(encoder.projection.layers)
+    for layer in layers:
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
     return model
+
+
+def _renamed_by_hooks(model: nn.Module) -> bool:
+    """Whether the model's state dict names differ from its parameters' (a fusion
+    layer's hooks save `layer.x` as `x`), which `set_model_state_dict` cannot follow."""
+    names = {n for n, _ in model.named_parameters()}
+    names |= {n for n, _ in model.named_buffers()}
+    return not set(model.state_dict()) <= names
 
 
 def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -96,10 +111,11 @@ def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.tensor import DTensor
 
     nf4 = _nf4_shards(model)
-    if not nf4:
+    if not nf4 and not _renamed_by_hooks(model):
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return get_model_state_dict(model, options=options)
-    # torch's gather leaves the pieces of an NF4 tensor un-waited: gather by hand
+    # torch's gather leaves the pieces of an NF4 tensor un-waited, and cannot follow
+    # a fusion layer's renamed keys: gather by hand, under the state dict's names
     device, state = _collective_device(), {}
     for name, t in model.state_dict().items():
         if name in nf4:
@@ -125,6 +141,26 @@ def _check_fits(
     return None
 
 
+def _load_by_broadcast(
+    model: nn.Module, full_state_dict: dict[str, torch.Tensor], device: torch.device
+) -> None:
+    """Rank 0's tensors, one by one, broadcast and cut into each rank's shard under the
+    state dict's own names, then loaded through the model's hooks."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    loaded = {}
+    for key, local in model.state_dict().items():
+        if dist.get_rank() == 0:
+            full = full_state_dict[key].to(device=device, dtype=local.dtype)
+        else:
+            full = torch.empty(local.shape, dtype=local.dtype, device=device)
+        dist.broadcast(full, src=0)
+        if isinstance(local, DTensor):
+            full = distribute_tensor(full, local.device_mesh, local.placements)
+        loaded[key] = full
+    model.load_state_dict(loaded)
+
+
 def load_from_full_state_dict(
     model: nn.Module,
     full_state_dict: dict[str, torch.Tensor],
@@ -147,14 +183,17 @@ def load_from_full_state_dict(
         raise CheckpointError(verdict[0])
     nf4 = _nf4_shards(model)
     model.to_empty(device=torch.device("cpu") if cpu_offload else device)
-    set_model_state_dict(  # the plain tensors; strict unless NF4 ones are left out
-        model,
-        {k: v for k, v in full_state_dict.items() if k not in nf4},
-        options=StateDictOptions(
-            full_state_dict=True, broadcast_from_rank0=True, strict=not nf4
-        ),
-    )
-    fill_nf4_shards(model, full_state_dict, device)
+    if _renamed_by_hooks(model) and not nf4:  # a vision model's fusion layers
+        _load_by_broadcast(model, full_state_dict, device)
+    else:
+        set_model_state_dict(  # the plain tensors; strict unless NF4 ones are left out
+            model,
+            {k: v for k, v in full_state_dict.items() if k not in nf4},
+            options=StateDictOptions(
+                full_state_dict=True, broadcast_from_rank0=True, strict=not nf4
+            ),
+        )
+        fill_nf4_shards(model, full_state_dict, device)
     # buffers no checkpoint holds: recompute them on the device
     with torch.device(device):
         for module in model.modules():

@@ -181,9 +181,11 @@ def forward_loss(
     model: nn.Module, loss_fn: nn.Module, batch: dict[str, torch.Tensor]
 ) -> tuple[torch.Tensor, int]:
     """(the loss summed over the micro-batch's trained tokens, their number): forward
-    `batch` (tokens, labels, optional mask and input_pos), then `summed_loss`.
+    `batch` (tokens, labels, optional mask and input_pos; a vision model's
+    encoder_input and encoder_mask), then `summed_loss`.
     """
-    kwargs = {k: batch[k] for k in ("mask", "input_pos") if k in batch}
+    names = ("mask", "input_pos", "encoder_input", "encoder_mask")
+    kwargs = {k: batch[k] for k in names if k in batch}
     logits = model(batch["tokens"], **kwargs)
     return summed_loss(loss_fn, logits, shift_labels(batch["labels"]))
 

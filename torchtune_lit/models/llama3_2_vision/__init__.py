@@ -6,9 +6,9 @@
 __all__ = ['NUM_SPECIAL_TOKENS', 'ENCODER_MAX_IMAGES', 'LLAMA3_2_VISION_SIZES', 'llama3_2_vision_decoder_from_hf_config',
            'llama3_2_vision_decoder', 'vision_decoder_hf_to_tune', 'vision_decoder_tune_to_hf',
            'llama3_2_vision_from_hf_config', 'llama3_vision_hf_to_tune', 'llama3_vision_tune_to_hf',
-           'llama3_2_vision_config', 'llama3_2_vision_11b', 'llama3_2_vision_90b', 'lora_llama3_2_vision_decoder',
-           'lora_llama3_2_vision_11b', 'lora_llama3_2_vision_90b', 'qlora_llama3_2_vision_11b',
-           'qlora_llama3_2_vision_90b']
+           'mllama_conversion_args', 'llama3_2_vision_config', 'llama3_2_vision_11b', 'llama3_2_vision_90b',
+           'lora_llama3_2_vision_decoder', 'lora_llama3_2_vision_11b', 'lora_llama3_2_vision_90b',
+           'qlora_llama3_2_vision_11b', 'qlora_llama3_2_vision_90b']
 
 # %% ../../../nbs/35_llama3_2_vision.ipynb #v04
 from typing import Any, Optional, Sequence, Union
@@ -30,6 +30,10 @@ from torchtune_lit.models.llama3_2_vision._encoder import (
     llama3_2_vision_encoder,
     vision_encoder_hf_to_tune,
     vision_encoder_tune_to_hf,
+)
+from torchtune_lit.models.llama3_2_vision._transform import (
+    Llama3VisionTransform,
+    llama3_2_vision_transform,
 )
 from torchtune_lit.modules.model_fusion import (
     DeepFusionModel,
@@ -469,6 +473,22 @@ def llama3_vision_tune_to_hf(
     for key, value in encoder.items():
         hf[key.removeprefix("model.")] = value  # model.vision_model. -> vision_model.
     return hf
+
+
+def mllama_conversion_args(config: dict[str, Any]) -> dict[str, Any]:
+    """The arguments of `llama3_vision_hf_to_tune` / `llama3_vision_tune_to_hf` that
+    an Mllama `config.json` gives."""
+    text, vision = config["text_config"], config["vision_config"]
+    heads = text["num_attention_heads"]
+    return dict(
+        num_heads=heads,
+        num_kv_heads=text.get("num_key_value_heads", heads),
+        dim=text["hidden_size"],
+        head_dim=text.get("head_dim"),
+        vocab_size=text["vocab_size"],
+        cross_attention_layers=text["cross_attention_layers"],
+        supported_aspect_ratios=[tuple(r) for r in vision["supported_aspect_ratios"]],
+    )
 
 # %% ../../../nbs/35_llama3_2_vision.ipynb #w06
 # meta-llama/Llama-3.2-11B-Vision's and -90B-Vision's config.json (text_config)
