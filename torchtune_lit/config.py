@@ -125,6 +125,7 @@ NOT_COMPONENTS = (  # functions in COMPONENT_PACKAGES that write files
     "torchtune_lit.datasets._tiny_world.build_tiny_world",
     "torchtune_lit.rlhf._reward.save_reward_model",
     "torchtune_lit.tabular.save_table_model",
+    "torchtune_lit.models.tiny_vision.write_tiny_vision_base",
 )
 NEVER_ALLOWED_COMPONENTS = (  # refused by name before any import
     "torchtune_lit.config",  # could switch the check off

@@ -328,7 +328,8 @@ class SFTDataset(Dataset):
                 )
         # a vision model transform's images and cross-attention mask travel along
         extra = {k: v for k, v in sample.items() if k not in ("messages", "mask")}
-        return {**extra, "tokens": list(sample["tokens"]), "labels": [int(l) for l in labels]}
+        tokens = list(sample["tokens"])
+        return {**extra, "tokens": tokens, "labels": [int(l) for l in labels]}
 
 # %% ../../nbs/43_datasets.ipynb #db215a11
 def _maybe_pack(ds: Dataset, tokenizer: Any, packed: bool) -> Dataset:

@@ -125,8 +125,9 @@ def train(cfg: DictConfig) -> list[dict]:
     if scale_rewards == "batch" or cfg.get("tools"):
         raise ValueError(
             "scale_rewards=batch and tools are the single-device GRPO recipe's: here "
-            "each rank scores its own micro-batches (a batch std would be a rank's, not "
-            "the batch's) and decodes in lockstep (a tool turn would stall the others)."
+            "each rank scores its own micro-batches (a batch std would be a rank's, "
+            "not the batch's) and decodes in lockstep (a tool turn would stall the "
+            "others)."
         )
     # this recipe honours fsdp_cpu_offload (a one-device recipe refuses it)
     config.check_run_values(cfg, supported=("fsdp_cpu_offload",))

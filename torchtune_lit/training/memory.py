@@ -914,9 +914,8 @@ def _fused_activations(
 ) -> tuple[int, int, int, int, int]:
     """`_fusion_terms` plus the final norm: (tokens, activations, recomputed, width,
     vocabulary) of a `DeepFusionModel`."""
-    if isinstance(images_per_sample, bool) or not isinstance(images_per_sample, int) or (
-        images_per_sample < 0
-    ):
+    count = images_per_sample
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
         raise ValueError(
             f"images_per_sample must be a whole number of images, 0 or more; got "
             f"{images_per_sample!r}."
