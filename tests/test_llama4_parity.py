@@ -137,14 +137,14 @@ def test_multimodal_checkpoint_loads_its_text_decoder(tmp_path, capsys):
     """Llama4ForConditionalGeneration: the checkpointer reads `language_model.` weights and leaves the vision side
     out; `build_from_hf_config` refuses the multimodal config unless asked for the text decoder alone."""
     text = transformers.Llama4TextConfig(**SMALL, **CASES["scout_like"])
-    vision = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, image_size=28,
-                  patch_size=14, projector_input_dim=16, projector_output_dim=32, vision_output_dim=16)
+    vision = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, image_size=28,
+                  patch_size=14, projector_input_dim=32, projector_output_dim=32, vision_output_dim=32)
     config = transformers.Llama4Config(text_config=text.to_dict(), vision_config=vision)
     theirs = transformers.Llama4ForConditionalGeneration(config).eval()
     randomize_(theirs)
     theirs.save_pretrained(tmp_path / "multimodal")
-    with pytest.raises(NotImplementedError, match="images are not supported yet: pass text_only=True"):
-        build_from_hf_config(tmp_path / "multimodal")
+    whole = build_from_hf_config(tmp_path / "multimodal")  # vision encoder included
+    assert type(whole).__name__ == "EarlyFusionModel" and "vision" in whole.encoders
     checkpointer = FullModelHFCheckpointer(tmp_path / "multimodal", model_type="LLAMA4")
     assert checkpointer.config["model_type"] == "llama4_text"
     state = checkpointer.load_checkpoint()["model"]
@@ -164,8 +164,8 @@ def test_multimodal_folder_loads_for_eval_and_quantize(tmp_path):
     transformers' Llama4ForConditionalGeneration (atol/rtol 1e-4); the quantize recipe's save and `load_quantized`
     reload the quantized text decoder with the same logits as the quantized model in memory (exact)."""
     text = transformers.Llama4TextConfig(**SMALL, **CASES["scout_like"])
-    vision = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, image_size=28,
-                  patch_size=14, projector_input_dim=16, projector_output_dim=32, vision_output_dim=16)
+    vision = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, image_size=28,
+                  patch_size=14, projector_input_dim=32, projector_output_dim=32, vision_output_dim=32)
     config = transformers.Llama4Config(text_config=text.to_dict(), vision_config=vision)
     theirs = transformers.Llama4ForConditionalGeneration(config).eval()
     randomize_(theirs)

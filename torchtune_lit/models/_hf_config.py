@@ -40,6 +40,8 @@ FAMILY_BUILDERS = {"llama4_text": llama4_decoder}
 # is, and imported when first used
 FUSION_BUILDERS = {
     "mllama": "torchtune_lit.models.llama3_2_vision.llama3_2_vision_from_hf_config",
+    "llama4": "torchtune_lit.models.llama4.llama4_from_hf_config",
+    "gemma3": "torchtune_lit.models.gemma3.gemma3_vision_from_hf_config",
 }
 
 
@@ -155,21 +157,17 @@ def build_from_hf_config(
 ) -> nn.Module:
     """The decoder that a Hugging Face `config.json` (path, folder or dict) describes:
     Llama 3.x, Mistral, Qwen 2/2.5/3, Phi-3/4, Gemma 2, Gemma 3 (text), Mixtral, Qwen 3
-    MoE or Llama 4 (text); for Llama 3.2 Vision (`mllama`) the `DeepFusionModel` of
-    its image encoder and decoder. Another multimodal config (Gemma 3, Llama 4) builds
-    its text decoder when `text_only` (images are not supported yet), else is refused.
+    MoE or Llama 4 (text); for a multimodal config (`mllama`, `llama4`, `gemma3`) the
+    whole model, image encoder included, or with `text_only` (Llama 4, Gemma 3) the
+    text decoder alone.
     """
     cfg = read_hf_config(path_or_dict)
     model_type = cfg.get("model_type")
-    if model_type in FUSION_BUILDERS:
+    text_readable = model_type in MULTIMODAL_WRAPPERS
+    if model_type in FUSION_BUILDERS and not (text_only and text_readable):
         module, _, name = FUSION_BUILDERS[model_type].rpartition(".")
         return getattr(importlib.import_module(module), name)(cfg)
-    if model_type in MULTIMODAL_WRAPPERS:
-        if not text_only:
-            raise NotImplementedError(
-                f"model_type {model_type!r} is multimodal and images are not "
-                "supported yet: pass text_only=True to build its text decoder alone."
-            )
+    if text_readable:
         cfg = text_decoder_config(cfg)
         model_type = cfg["model_type"]
     if model_type not in SUPPORTED_MODEL_TYPES:

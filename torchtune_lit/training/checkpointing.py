@@ -42,10 +42,20 @@ from torchtune_lit.models.convert_weights import (
     tune_to_peft_adapter_config,
     tune_to_peft_adapter_weights,
 )
+from torchtune_lit.models.gemma3 import (
+    gemma3_conversion_args,
+    gemma3_vision_hf_to_tune,
+    gemma3_vision_tune_to_hf,
+)
 from torchtune_lit.models.llama3_2_vision import (
     llama3_vision_hf_to_tune,
     llama3_vision_tune_to_hf,
     mllama_conversion_args,
+)
+from torchtune_lit.models.llama4 import (
+    llama4_conversion_args,
+    llama4_hf_to_tune,
+    llama4_tune_to_hf,
 )
 from torchtune_lit.training.memory import (
     compile_model,
@@ -101,6 +111,18 @@ WHOLE_MODEL_TYPES = {
         llama3_vision_hf_to_tune,
         llama3_vision_tune_to_hf,
         mllama_conversion_args,
+    ),
+    "LLAMA4_VISION": (
+        "llama4",
+        llama4_hf_to_tune,
+        llama4_tune_to_hf,
+        llama4_conversion_args,
+    ),
+    "GEMMA3_VISION": (
+        "gemma3",
+        gemma3_vision_hf_to_tune,
+        gemma3_vision_tune_to_hf,
+        gemma3_conversion_args,
     ),
 }
 
@@ -394,12 +416,14 @@ class ModelType(str, Enum):
     GEMMA = "gemma"
     GEMMA2 = "gemma2"
     GEMMA3 = "gemma3"
+    GEMMA3_VISION = "gemma3_vision"
     LLAMA2 = "llama2"
     LLAMA3 = "llama3"
     LLAMA3_1 = "llama3_1"
     LLAMA3_2 = "llama3_2"
     LLAMA3_VISION = "llama3_vision"
     LLAMA4 = "llama4"
+    LLAMA4_VISION = "llama4_vision"
     MISTRAL = "mistral"
     PHI3_MINI = "phi3_mini"
     PHI4 = "phi4"
@@ -533,8 +557,9 @@ class FullModelHFCheckpointer:
     weight files (default: the shards of model.safetensors.index.json, else
     model.safetensors); `model_type` is torchtune's name (LLAMA3, LLAMA3_2, QWEN2,
     MISTRAL, GEMMA2), checked against config.json (default: taken from it).
-    LLAMA3_VISION reads and writes a whole Llama 3.2 Vision model (`mllama`); any
-    other model type of a multimodal checkpoint reads its text decoder only.
+    LLAMA3_VISION, LLAMA4_VISION and GEMMA3_VISION read and write a whole multimodal
+    model (`mllama`, `llama4`, `gemma3`); any other model type of a multimodal
+    checkpoint reads its text decoder only.
     """
 
     def __init__(
@@ -671,10 +696,14 @@ class FullModelHFCheckpointer:
             self._weight_map.update(dict.fromkeys(tensors, path.name))
         if self.multimodal_type is not None:
             merged, left_out = text_decoder_weights(merged)
+            whole = [
+                n for n, v in WHOLE_MODEL_TYPES.items() if v[0] == self.multimodal_type
+            ]
             print(
                 f"{self.checkpoint_dir} is a {self.multimodal_type} multimodal "
                 f"checkpoint: loaded its text decoder; {len(left_out)} tensors of the "
-                "vision tower and projector were left out (saved models are text-only)."
+                "vision tower and projector were left out (saved models are text-only)"
+                + (f"; model_type: {whole[0]} reads it whole." if whole else ".")
             )
         if self.whole is None:  # a whole model's conversion names what is missing
             _check_config_fits(self.config, self.checkpoint_dir, merged)

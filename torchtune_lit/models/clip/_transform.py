@@ -10,11 +10,13 @@ from typing import Any, Mapping, Optional
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from PIL import Image
 
 from torchtune_lit.modules.transforms.vision_utils import (
     find_supported_resolutions,
     get_canvas_best_fit,
+    get_inscribed_size,
     resize_with_pad,
     tile_crop,
 )
@@ -35,11 +37,36 @@ def _to_tensor(image: Any, dtype: torch.dtype) -> torch.Tensor:
         return image.to(dtype) / 255
     return image.to(dtype)
 
+# %% ../../../nbs/40e_clip_image_transform.ipynb #a1a5a002
+def _resize_to_canvas(
+    image: torch.Tensor,
+    canvas: tuple[int, int],
+    resample: str,
+    max_size: Optional[int],
+    antialias: bool,
+) -> torch.Tensor:
+    """`resize_with_pad`, with antialiasing chosen: True (its way) or False, a plain
+    bilinear/bicubic `F.interpolate` (float32 inside, dtype kept) before the padding."""
+    mode = str(getattr(resample, "value", resample)).lower()
+    if antialias or mode not in ("bilinear", "bicubic"):
+        return resize_with_pad(image, canvas, resample, max_size)
+    height, width = get_inscribed_size(tuple(image.shape[-2:]), canvas, max_size)
+    x = F.interpolate(
+        image[None].to(torch.float32),
+        size=[height, width],
+        mode=mode,
+        align_corners=False,
+        antialias=False,
+    )
+    x = F.pad(x[0], (0, canvas[1] - width, 0, canvas[0] - height))
+    return x.to(image.dtype)
+
 # %% ../../../nbs/40e_clip_image_transform.ipynb #a2d3edf6
 class CLIPImageTransform:
     """sample['image'] (PIL image or [C, H, W] tensor) -> sample['image'] as tiles
     [num_tiles, 3, tile_size, tile_size] and sample['aspect_ratio'] (tile grid
-    [rows, cols]): best canvas, resize without distortion, pad, normalise, tile."""
+    [rows, cols]): best canvas, resize without distortion, pad, normalise, tile.
+    `antialias`: widen the bilinear/bicubic filter when shrinking, as Pillow does."""
 
     def __init__(
         self,
@@ -52,6 +79,7 @@ class CLIPImageTransform:
         dtype: torch.dtype = torch.bfloat16,
         resample: str = "bilinear",
         resize_to_max_canvas: bool = False,
+        antialias: bool = True,
     ) -> None:
         if not possible_resolutions and not max_num_tiles:
             raise ValueError(
@@ -63,6 +91,8 @@ class CLIPImageTransform:
                 f"image_mean={image_mean} and image_std={image_std}: give both "
                 "(to normalise) or neither."
             )
+        if not isinstance(antialias, bool):
+            raise ValueError(f"antialias={antialias!r}: give True or False.")
         if not possible_resolutions:
             possible_resolutions = find_supported_resolutions(max_num_tiles, tile_size)
         self.possible_resolutions = torch.tensor(possible_resolutions).reshape(-1, 2)
@@ -70,6 +100,7 @@ class CLIPImageTransform:
         self.mean, self.std = image_mean, image_std
         self.max_size = None if resize_to_max_canvas else tile_size
         self.dtype, self.resample, self.tile_size = dtype, resample, tile_size
+        self.antialias = antialias
 
     def __call__(
         self, sample: Mapping[str, Any], inference: bool = False
@@ -78,7 +109,9 @@ class CLIPImageTransform:
         canvas = get_canvas_best_fit(
             image, self.possible_resolutions, self.resize_to_max_canvas
         )
-        image = resize_with_pad(image, canvas, self.resample, self.max_size)
+        image = _resize_to_canvas(
+            image, canvas, self.resample, self.max_size, self.antialias
+        )
         if self.mean:
             mean = torch.tensor(self.mean, dtype=image.dtype).reshape(-1, 1, 1)
             std = torch.tensor(self.std, dtype=image.dtype).reshape(-1, 1, 1)

@@ -120,3 +120,23 @@ lora_gemma3_12b = lora_builder(gemma3_12b, "lora_gemma3_12b")
 qlora_gemma3_12b = lora_builder(gemma3_12b, "qlora_gemma3_12b", quantize_base=True)
 lora_gemma3_27b = lora_builder(gemma3_27b, "lora_gemma3_27b")
 qlora_gemma3_27b = lora_builder(gemma3_27b, "qlora_gemma3_27b", quantize_base=True)
+
+# the vision tower, the projector and the whole model (chapter "Gemma 3: vision")
+from torchtune_lit.models.gemma3._vision import (  # noqa: E402
+    GEMMA3_IMAGE_TOKEN_ID,
+    Gemma3EarlyFusionModel,
+    Gemma3MultiModalProjector,
+    Gemma3VisionEncoder,
+    SiglipVisionEncoder,
+    gemma3_conversion_args,
+    gemma3_image_mask,
+    gemma3_vision_4b,
+    gemma3_vision_12b,
+    gemma3_vision_27b,
+    gemma3_vision_config,
+    gemma3_vision_encoder,
+    gemma3_vision_from_hf_config,
+    gemma3_vision_hf_to_tune,
+    gemma3_vision_tune_to_hf,
+    image_block_ids,
+)

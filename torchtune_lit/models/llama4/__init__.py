@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['lora_llama4_decoder', 'lora_llama4_scout_17b_16e', 'chunked_causal_mask', 'attention_temperature', 'Llama4Attention',
            'Llama4ScaledRoPE', 'llama4_mlp', 'llama4_moe', 'llama4_decoder', 'llama4_scout_17b_16e',
-           'llama4_maverick_17b_128e']
+           'llama4_maverick_17b_128e', 'llama4_from_hf_config']
 
 # %% ../../../nbs/35b_llama4.ipynb #c2843284
 import functools
@@ -15,6 +15,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchtune_lit.models.llama4._vision import (
+    LLAMA4_PATCH_TOKEN,
+    Llama4VisionEncoder,
+    Llama4VisionProjectionHead,
+    llama4_conversion_args,
+    llama4_hf_to_tune,
+    llama4_tune_to_hf,
+    llama4_vision_encoder,
+    llama4_vision_encoder_from_hf_config,
+    llama4_vision_projection_head,
+)
 from torchtune_lit.modules.position_embeddings import (
     Llama3ScaledRoPE,
     RotaryPositionalEmbeddings,
@@ -27,10 +38,12 @@ from torchtune_lit.modules.transformer import (
 
 from ...modules.attention import MultiHeadAttention
 from ...modules.feed_forward import FeedForward
+from ...modules.model_fusion import EarlyFusionModel
 from ...modules.moe import GroupedExperts, MoE, TokenChoiceTopKRouter
 from ...modules.peft import lora_builder
 from ...modules.rms_norm import RMSNorm
 from .._decoder_builder import build_mlp
+from .._families import MODEL_FAMILIES, text_decoder_config
 
 # %% ../../../nbs/35b_llama4.ipynb #bdee1136
 def chunked_causal_mask(
@@ -373,3 +386,32 @@ lora_llama4_decoder = lora_builder(llama4_decoder, "lora_llama4_decoder")
 lora_llama4_scout_17b_16e = lora_builder(
     llama4_scout_17b_16e, "lora_llama4_scout_17b_16e"
 )
+
+# %% ../../../nbs/35b_llama4.ipynb #l4whole02
+def llama4_from_hf_config(
+    config: dict[str, Any],
+    *,
+    decoder_trainable: bool = True,
+    encoder_trainable: bool = False,
+    fusion_trainable: bool = True,
+) -> EarlyFusionModel:
+    """The whole Llama 4 a `config.json` dict (model_type llama4) describes: the text
+    decoder and the vision encoder in an `EarlyFusionModel`, images entering at the
+    config's `image_token_index`."""
+    if not isinstance(config, dict) or config.get("model_type") != "llama4":
+        kind = config.get("model_type") if isinstance(config, dict) else type(config)
+        raise ValueError(
+            f"llama4_from_hf_config reads the dict of a Llama4ForConditionalGeneration "
+            f"config.json (model_type 'llama4'), got {kind!r}."
+        )
+    text = text_decoder_config(config)
+    decoder = llama4_decoder(**MODEL_FAMILIES["llama4_text"].decoder_settings(text))
+    encoder = llama4_vision_encoder_from_hf_config(config)
+    return EarlyFusionModel(
+        decoder,
+        encoders={"vision": encoder},
+        encoder_tokens={"vision": config.get("image_token_index", LLAMA4_PATCH_TOKEN)},
+        decoder_trainable=decoder_trainable,
+        encoders_trainable={"vision": encoder_trainable},
+        fusion_trainable=fusion_trainable,
+    )
