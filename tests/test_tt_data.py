@@ -77,7 +77,7 @@ def test_column_map_typo_is_refused_at_construction():
 
 def test_alpaca_and_tool_messages():
     user, answer = AlpacaToMessages()({"instruction": "Name it.", "input": "", "output": "x"})["messages"]
-    assert "### Input" not in user.content and user.content.endswith("### Response:\n") and not user.masked
+    assert "### Input" not in user.text_content and user.text_content.endswith("### Response:\n") and not user.masked
     msgs = OpenAIToMessages()({"messages": [
         {"role": "user", "content": "w?"}, {"role": "assistant", "content": "call()"},
         {"role": "tool", "content": "31"}, {"role": "assistant", "content": "31."}]})["messages"]
@@ -92,9 +92,9 @@ def test_mask_messages_train_on_last():
 
 def test_prompt_template_and_truncate():
     out = SummarizeTemplate()([Message("user", "A: hi", masked=True), Message("assistant", "x")])
-    assert out[0].content == "Summarize this dialogue:\nA: hi\n---\nSummary:\n" and out[0].masked
+    assert out[0].text_content == "Summarize this dialogue:\nA: hi\n---\nSummary:\n" and out[0].masked
     custom = PromptTemplate({"assistant": ("<", ">")})([Message("user", "u"), Message("assistant", "a")])
-    assert [m.content for m in custom] == ["u", "<a>"]
+    assert [m.text_content for m in custom] == ["u", "<a>"]
     masks = [True, True, False, True, False]
     assert truncate(masks, 4, eos_id=False) == [True, True, False, False]
     assert truncate(masks, 4, eos_id=False, truncation_type="left") == [True, False, True, False]

@@ -37,6 +37,19 @@ def _check_parts(parts: list) -> None:
             raise TypeError(f"message content part {i}: text parts hold a string.")
 
 
+def _as_parts(content: Any) -> list[dict[str, Any]]:
+    "A message's content as its list of parts: a string is one text part."
+    if isinstance(content, str):
+        return [{"type": "text", "content": content}]
+    if not isinstance(content, list):
+        raise TypeError(
+            "message content must be text or a list of parts, got "
+            f"{type(content).__name__}."
+        )
+    _check_parts(content)
+    return content
+
+
 def tool_call_function(call: Mapping[str, Any]) -> Mapping[str, Any]:
     """The {'name', 'arguments'} of a tool call: OpenAI's {'type': 'function',
     'function': {...}}, or the inner dict itself."""
@@ -82,6 +95,7 @@ class Message:
     an assistant tool call. `eot`: the turn ends (end-of-turn token). `tool_calls`:
     the functions an assistant message calls, in OpenAI's format. `tool_call_id`
     and `name`: on a tool result, the id of the call it answers and the tool's name.
+    `content` is given as text or parts and always held as the list of parts.
     """
 
     role: str
@@ -93,15 +107,13 @@ class Message:
     tool_call_id: Optional[str] = None
     name: Optional[str] = None
 
+    def __setattr__(self, key: str, value: Any) -> None:
+        # `content` is normalised whenever it is set: here, in replace(), or later
+        super().__setattr__(key, _as_parts(value) if key == "content" else value)
+
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"unknown message role {self.role!r}; roles are {ROLES}.")
-        if isinstance(self.content, list):
-            _check_parts(self.content)
-        elif not isinstance(self.content, str):
-            raise TypeError(
-                f"message content must be text, got {type(self.content).__name__}."
-            )
         if self.ipython and self.contains_media:
             raise ValueError(
                 "Media tokens in tool calls are not supported. Both are set in "
@@ -118,9 +130,7 @@ class Message:
 
     @property
     def parts(self) -> list[dict[str, Any]]:
-        "The content as a list of {'type', 'content'} parts."
-        if isinstance(self.content, str):
-            return [{"type": "text", "content": self.content}]
+        "The content's list of {'type', 'content'} parts (`content` itself)."
         return self.content
 
     @property
@@ -134,10 +144,12 @@ class Message:
 
     @property
     def contains_media(self) -> bool:
+        "Whether any part is an image."
         return any(p["type"] == "image" for p in self.parts)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Message":
+        "A message from a dict with torchtune's keys (and the tool-call keys)."
         return cls(
             role=d["role"],
             content=d["content"],
@@ -590,11 +602,11 @@ class PromptTemplate:
                 out.append(m)
                 continue
             before, after = self.template[m.role]
-            if isinstance(m.content, str):
-                content = before + m.content + after
-            else:
+            if m.contains_media:  # the wording as text parts around the parts
                 content = [{"type": "text", "content": before}, *m.content]
                 content += [{"type": "text", "content": after}]
+            else:  # one text part, tokenized as one string
+                content = before + m.text_content + after
             out.append(replace(m, content=content))  # every other field kept
         return out
 

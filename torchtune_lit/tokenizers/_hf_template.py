@@ -94,16 +94,23 @@ def _end_of_turn_id(
     render: Callable[..., str], base: HuggingFaceBaseTokenizer
 ) -> Optional[int]:
     """The first special token `render` writes after an assistant answer, else the base
-    tokenizer's EOS (also when the template cannot render the probe)."""
-    probe = [
-        {"role": "user", "content": "a"},
-        {"role": "assistant", "content": "b"},
-    ]
-    try:
-        whole = render(probe)
-    except Exception:  # a template with requirements of its own: fall back
+    tokenizer's EOS (also when the template cannot render the probe). The probe's
+    contents are strings, else (for templates that read only parts) text parts."""
+    answer = "\u2063answer\u2063"
+    for text in (lambda s: s, lambda s: [{"type": "text", "text": s}]):
+        probe = [
+            {"role": "user", "content": text("a")},
+            {"role": "assistant", "content": text(answer)},
+        ]
+        try:
+            whole = render(probe)
+        except Exception:  # a template with requirements of its own
+            continue
+        if answer in whole:
+            break
+    else:  # neither form renders the answer: fall back
         return base.eos_id
-    after = whole[whole.rindex("b") + 1 :]
+    after = whole[whole.rindex(answer) + len(answer) :]
     ids = base.tokenizer.encode(after, add_special_tokens=False).ids
     specials = {t.content for t in base.tokenizer.get_added_tokens_decoder().values()}
     for token_id in ids:
@@ -125,7 +132,9 @@ def _found_span(
     marker; what comes before and after the marker is what surrounds the answer. The
     span runs through `end_of_turn` (the end-of-turn token's text) when it follows."""
     marker = "\u2063answer\u2063"
-    marker_turn = {"role": "assistant", "content": marker}  # no tool_calls: all of it
+    as_parts = not isinstance(turns[i]["content"], str)  # the marker in that form
+    content = [{"type": "text", "text": marker}] if as_parts else marker
+    marker_turn = {"role": "assistant", "content": content}  # no tool_calls: all of it
     marked = [marker_turn if j == i else t for j, t in enumerate(turns)]
     with_marker = render(marked, add_generation_prompt)
     before, _, after = with_marker.partition(marker)
@@ -171,14 +180,31 @@ def _trained_spans(
     return spans
 
 # %% ../../nbs/42b_hf_chat_template.ipynb #0f73dd32
+def _turn_content(m: Message, as_parts: bool) -> Union[str, list[dict]]:
+    """The content a template reads: the text, or (`as_parts`) the parts as
+    transformers' processors pass them, in order: {'type': 'image'} for a picture,
+    {'type': 'text', 'text': ...} for words."""
+    if not as_parts:
+        return m.text_content
+    parts = []
+    for p in m.parts:
+        if p["type"] == "image":
+            parts.append({"type": "image"})
+        else:
+            parts.append({"type": "text", "text": p["content"]})
+    return parts
+
+
 def _as_turns(messages: list[Message]) -> list[dict]:
     """Messages as transformers hands them to a template: role ('ipython' written
     'tool'), text content, and `tool_calls`, `tool_call_id` and `name` only on a
-    message that has them (templates test whether the key is there)."""
+    message that has them (templates test whether the key is there). In a
+    conversation with images every content is a list of parts, else text."""
+    as_parts = any(m.contains_media for m in messages)
     turns = []
     for m in messages:
         role = "tool" if m.role == "ipython" else m.role
-        turn = {"role": role, "content": m.text_content}
+        turn = {"role": role, "content": _turn_content(m, as_parts)}
         if m.tool_calls:
             turn["tool_calls"] = m.tool_calls
         for key in ("tool_call_id", "name"):  # a tool result's call and tool
@@ -190,9 +216,13 @@ def _as_turns(messages: list[Message]) -> list[dict]:
 
 def _dropped_system(turns: list[dict], text: str) -> bool:
     "Whether the rendered `text` leaves out a system message of `turns`."
-    return any(
-        t["role"] == "system" and t["content"].strip() not in text for t in turns
-    )
+    for t in turns:
+        content = t["content"]
+        if not isinstance(content, str):  # parts: their text
+            content = "".join(p.get("text", "") for p in content)
+        if t["role"] == "system" and content.strip() not in text:
+            return True
+    return False
 
 # %% ../../nbs/42b_hf_chat_template.ipynb #e9133e6f
 class HuggingFaceModelTokenizer:
@@ -228,12 +258,16 @@ class HuggingFaceModelTokenizer:
             else _template_text(config, config_path)
         )
         self.template = compile_chat_template(template)
-        self.special_tokens = {  # the names templates use, as transformers passes them
+        self.named_tokens = {  # the names templates use, as transformers passes them
             name: _token_text(config.get(name))
             for name in ("bos_token", "eos_token", "unk_token", "pad_token")
         }
-        self.bos_token = self.special_tokens["bos_token"]
-        self.eos_token = self.special_tokens["eos_token"]
+        self.bos_token = self.named_tokens["bos_token"]
+        self.eos_token = self.named_tokens["eos_token"]
+        added = self.base.tokenizer.get_added_tokens_decoder()
+        self.special_tokens = {  # {text: id}, as every model tokenizer here has
+            t.content: i for i, t in sorted(added.items()) if t.special
+        }
         self.template_kwargs = dict(template_kwargs or {})
         self.tools = tools  # the JSON schemas of the tools every sample may call
         self.max_seq_len, self.vocab_size = max_seq_len, self.base.vocab_size
@@ -252,7 +286,7 @@ class HuggingFaceModelTokenizer:
         return self.template.render(
             messages=messages, add_generation_prompt=add_generation_prompt,
             tools=self.tools if tools is None else tools, documents=None,
-            **self.special_tokens, **self.template_kwargs,
+            **self.named_tokens, **self.template_kwargs,
         )  # fmt: skip
 
     def tokenize_messages(
