@@ -31,20 +31,26 @@ def _pair_logps(policy: Any, reference: Any) -> tuple[torch.Tensor, ...]:
 
 class DPOLoss(nn.Module):
     """DPO (Rafailov et al. 2023): -log sigmoid(beta * margin), with optional label
-    smoothing (conservative DPO).
+    smoothing (conservative DPO) and, with `rpo_alpha` > 0, `rpo_alpha` times the
+    chosen answers' mean token NLL added to every pair (RPO; TRL's "sft" term).
 
     forward(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps,
     reference_rejected_logps), or torchtune's forward(policy_inputs, reference_inputs)
     -> (losses, chosen_rewards, rejected_rewards), one value per pair.
     """
 
-    def __init__(self, beta: float = 0.1, label_smoothing: float = 0.0) -> None:
+    def __init__(
+        self, beta: float = 0.1, label_smoothing: float = 0.0, rpo_alpha: float = 0.0
+    ) -> None:
         super().__init__()
         if not 0.0 <= label_smoothing < 0.5:
             raise ValueError(
                 f"label_smoothing must be in [0, 0.5), got {label_smoothing}."
             )
+        if rpo_alpha < 0:
+            raise ValueError(f"rpo_alpha must be >= 0 (0: plain DPO), got {rpo_alpha}.")
         self.beta, self.label_smoothing = beta, label_smoothing
+        self.rpo_alpha = rpo_alpha
 
     def forward(
         self,
@@ -52,6 +58,7 @@ class DPOLoss(nn.Module):
         policy_rejected_logps: torch.Tensor,
         reference_chosen_logps: Optional[torch.Tensor] = None,
         reference_rejected_logps: Optional[torch.Tensor] = None,
+        policy_chosen_nll: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if reference_chosen_logps is None:  # torchtune's two ChosenRejectedOutputs
             (
@@ -67,6 +74,13 @@ class DPOLoss(nn.Module):
             -F.logsigmoid(self.beta * margin) * (1 - self.label_smoothing)
             - F.logsigmoid(-self.beta * margin) * self.label_smoothing
         )
+        if self.rpo_alpha:
+            if policy_chosen_nll is None:
+                raise ValueError(
+                    "DPOLoss(rpo_alpha > 0) adds the chosen answers' NLL: pass "
+                    "policy_chosen_nll (their mean token NLL; pair_losses does)."
+                )
+            losses = losses + self.rpo_alpha * policy_chosen_nll
         chosen_rewards = (
             self.beta * (policy_chosen_logps - reference_chosen_logps).detach()
         )
