@@ -15,6 +15,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchtune_lit.models.llama4._transform import (
+    LLAMA4_SPECIAL_TOKENS,
+    Llama4Tokenizer,
+    Llama4Transform,
+    llama4_tokenizer,
+    llama4_transform,
+)
 from torchtune_lit.models.llama4._vision import (
     LLAMA4_PATCH_TOKEN,
     Llama4VisionEncoder,
