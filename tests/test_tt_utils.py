@@ -217,9 +217,11 @@ def test_logger_speaks_again_after_a_library_configured_logging():
     import logging.config
 
     log = utils.get_logger("INFO")
+    child = logging.getLogger(f"{LOGGER_NAME}.config")  # the config's messages
     logging.config.dictConfig({"version": 1})  # what such a library does
-    assert log.disabled
+    assert log.disabled and child.disabled
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         utils.get_logger("INFO").info("step 1")
     assert out.getvalue() == "step 1\n"
+    assert not child.disabled  # its children speak again too

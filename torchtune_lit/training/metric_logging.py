@@ -357,8 +357,12 @@ def set_log_level(level: Union[str, int] = "INFO") -> logging.Logger:
     logger = logging.getLogger(LOGGER_NAME)
     logger.setLevel(number)
     # a library's logging.config.dictConfig (mlflow's, lm-eval's) disables the
-    # loggers that exist when it runs: the recipe's messages must not vanish
-    logger.disabled = False
+    # loggers that exist when it runs, ours and its children (torchtune_lit.config):
+    # the recipe's messages must not vanish
+    for name, existing in logging.root.manager.loggerDict.items():
+        if name == LOGGER_NAME or name.startswith(LOGGER_NAME + "."):
+            if isinstance(existing, logging.Logger):
+                existing.disabled = False
     # by name: a reloaded module's class is another class, yet the same handler
     if not any(type(h).__name__ == "_CurrentStdout" for h in logger.handlers):
         logger.addHandler(_CurrentStdout())
