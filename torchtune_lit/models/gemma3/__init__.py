@@ -122,6 +122,16 @@ lora_gemma3_27b = lora_builder(gemma3_27b, "lora_gemma3_27b")
 qlora_gemma3_27b = lora_builder(gemma3_27b, "qlora_gemma3_27b", quantize_base=True)
 
 # the vision tower, the projector and the whole model (chapter "Gemma 3: vision")
+from torchtune_lit.models.gemma3._transform import (  # noqa: E402
+    GEMMA3_BOI_TOKEN,
+    GEMMA3_EOI_TOKEN,
+    GEMMA3_IMAGE_SOFT_TOKEN,
+    Gemma3ImageTransform,
+    Gemma3Transform,
+    gemma3_image_text,
+    gemma3_transform,
+    pan_and_scan_boxes,
+)
 from torchtune_lit.models.gemma3._vision import (  # noqa: E402
     GEMMA3_IMAGE_TOKEN_ID,
     Gemma3EarlyFusionModel,
