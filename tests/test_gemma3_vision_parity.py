@@ -31,6 +31,7 @@ from torchtune_lit.models.gemma3._vision import (
     gemma3_vision_hf_to_tune,
     gemma3_vision_tune_to_hf,
 )
+from torchtune_lit.modules.model_fusion import get_fusion_params
 from torchtune_lit.training import checkpointing
 
 transformers = pytest.importorskip("transformers")
@@ -200,15 +201,14 @@ def test_refusals(tiny):
                                  **gemma3_conversion_args(cfg))
     with pytest.raises(CheckpointConversionError, match="encoder.extra"):
         gemma3_vision_tune_to_hf({"encoder.extra.weight": torch.zeros(1)}, **gemma3_conversion_args(cfg))
-    assert isinstance(ours, Gemma3EarlyFusionModel)
 
 
-def test_checkpointer_reads_and_writes_the_whole_model(tiny, tmp_path, monkeypatch):
-    """Through FullModelHFCheckpointer's whole-model path with the entry this module offers (WHOLE_MODEL_TYPES
-    ["GEMMA3_VISION"]): the written folder loads in transformers with every tensor unchanged."""
+def test_checkpointer_reads_and_writes_the_whole_model(tiny, tmp_path):
+    """The checkpointer's real entry WHOLE_MODEL_TYPES["GEMMA3_VISION"] is this module's conversion, and through
+    FullModelHFCheckpointer's whole-model path the written folder loads in transformers with every tensor unchanged."""
     theirs, _, _, _, _ = tiny
     entry = ("gemma3", gemma3_vision_hf_to_tune, gemma3_vision_tune_to_hf, gemma3_conversion_args)
-    monkeypatch.setitem(checkpointing.WHOLE_MODEL_TYPES, "GEMMA3_VISION", entry)
+    assert checkpointing.WHOLE_MODEL_TYPES["GEMMA3_VISION"] == entry
     theirs.save_pretrained(tmp_path / "in")
     checkpointer = checkpointing.FullModelHFCheckpointer(
         tmp_path / "in", checkpoint_files=None, model_type="GEMMA3_VISION", output_dir=tmp_path / "out")
@@ -219,3 +219,46 @@ def test_checkpointer_reads_and_writes_the_whole_model(tiny, tmp_path, monkeypat
     reloaded = transformers.Gemma3ForConditionalGeneration.from_pretrained(written)
     for name, value in theirs.state_dict().items():
         assert torch.equal(reloaded.state_dict()[name], value), name
+
+
+def _trains(model):
+    "part -> the set of requires_grad values of its parameters."
+    parts = {"decoder": "decoder.", "tower": "encoder.siglip.", "proj": "encoder.projection."}
+    return {part: {p.requires_grad for n, p in model.named_parameters() if n.startswith(pre)}
+            for part, pre in parts.items()}
+
+
+def test_trainable_switches_set_requires_grad(tiny):
+    """EarlyFusionModel's switches and defaults on the class (the projector alone trains); the builders train the
+    decoder too, the SigLIP tower frozen; each switch moves its own part; the 4B's frozen count is the tower's."""
+    _, _, cfg, _, _ = tiny
+    yes, no = {True}, {False}
+    model = gemma3_vision_from_hf_config(cfg)
+    assert _trains(model) == dict(decoder=yes, tower=no, proj=yes)
+    assert set(get_fusion_params(model)) == {"encoder.projection.norm.scale", "encoder.projection.output.weight"}
+    flipped = gemma3_vision_from_hf_config(cfg, decoder_trainable=False, encoder_trainable=True,
+                                           fusion_trainable=False)
+    assert _trains(flipped) == dict(decoder=no, tower=yes, proj=no)
+    assert _trains(Gemma3EarlyFusionModel(model.decoder, model.encoder, IMAGE_ID)) == dict(decoder=no, tower=no,
+                                                                                          proj=yes)
+    with torch.device("meta"):
+        frozen_4b = gemma3_vision_4b()
+        tower_4b = gemma3_vision_4b(encoder_trainable=True, decoder_trainable=False, fusion_trainable=False)
+    assert sum(p.numel() for p in frozen_4b.parameters() if not p.requires_grad) == 419_816_304 - 1152 * 2561
+    assert sum(p.numel() for p in tower_4b.parameters() if p.requires_grad) == 419_816_304 - 1152 * 2561
+
+
+def test_an_image_cut_between_cached_calls_is_refused(tiny):
+    "Tokens already in the cache cannot see later keys: a call starting inside an image's run is refused."
+    _, _, _, ours, images = tiny
+    row = torch.tensor([[5, 98, IMAGE_ID, IMAGE_ID, 99, 6, IMAGE_ID, IMAGE_ID]])
+    with pytest.raises(ValueError, match="at position 3"):
+        gemma3_image_mask(row[:, 3:], IMAGE_ID, torch.arange(3, 8)[None], kv_len=8)
+    with torch.no_grad():
+        ours.setup_caches(2, torch.float32, decoder_max_seq_len=32)
+        try:
+            ours(TOKENS[:, :3], input_pos=torch.arange(3).expand(2, 3))
+            with pytest.raises(ValueError, match="image token .* at position 3"):  # row 1 starts on an image token
+                ours(TOKENS[:, 3:9], input_pos=torch.arange(3, 9).expand(2, 6), encoder_input={"images": images[:2]})
+        finally:
+            ours.remove_caches()

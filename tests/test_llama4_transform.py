@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import regex
 import torch
 import transformers.models.llama4 as hf_llama4
 from PIL import Image
@@ -21,14 +22,16 @@ from transformers.image_utils import SizeDict
 from transformers.models.llama4.processing_llama4 import Llama4Processor
 
 from torchtune_lit.data import Message
+from torchtune_lit.models.llama3 import CL100K_PATTERN
 from torchtune_lit.models.llama4 import (
     LLAMA4_SPECIAL_TOKENS,
     Llama4Tokenizer,
     Llama4Transform,
     llama4_tokenizer,
     llama4_transform,
+    llama4_vision_encoder,
 )
-from torchtune_lit.models.llama4._transform import Llama4Thumbnail
+from torchtune_lit.models.llama4._transform import LLAMA4_PATTERN, Llama4Thumbnail
 from torchtune_lit.models.llama4._vision import LLAMA4_PATCH_TOKEN
 
 S = LLAMA4_SPECIAL_TOKENS
@@ -81,6 +84,15 @@ def test_special_tokens_match_transformers_config():
     assert S["<|image_start|>"] == config.boi_token_index
     assert S["<|image_end|>"] == config.eoi_token_index
     assert S["<|patch|>"] == config.image_token_index == LLAMA4_PATCH_TOKEN
+    # torchtune/models/llama4/_tokenizer.py's table
+    named = ("<|header_start|>", "<|eom|>", "<|eot|>", "<|reasoning_thinking_start|>")
+    assert [S[t] for t in named] == [200005, 200007, 200008, 201142]
+
+
+def test_split_pattern_differs_from_llama3():
+    text = "helloWorld it's"
+    assert regex.findall(LLAMA4_PATTERN, text) == ["hello", "World", " it's"]
+    assert regex.findall(CL100K_PATTERN, text) == ["helloWorld", " it", "'s"]
 
 
 def test_conversation_by_hand(bpe_file):
@@ -176,3 +188,63 @@ def test_thumbnail_equals_torchtune_expectation():
     pixels = torch.from_numpy(np.array(image)).permute(2, 0, 1)  # uint8 tensor
     as_tensor = Llama4Thumbnail(16, [0.5] * 3, [0.5] * 3, torch.float32)(pixels)
     torch.testing.assert_close(as_tensor, thumb, atol=0, rtol=0)
+
+
+def test_patch_tokens_equal_encoder_features(bpe_file):
+    "The promise: one <|patch|> per feature the encoder of the same sizes gives."
+    transform = Llama4Transform(
+        bpe_file, tile_size=28, patch_size=7, max_num_tiles=4, dtype=torch.float32
+    )
+    torch.manual_seed(0)
+    wide = (torch.rand(3, 28, 100) * 255).byte()
+    content = [{"type": "image", "content": wide}, {"type": "text", "content": "?"}]
+    out = transform({"messages": [Message("user", content)]})
+    tiles = torch.cat(out["encoder_input"]["vision"]["images"])
+    assert tiles.shape[0] > 1  # several tiles plus the thumbnail
+    encoder = llama4_vision_encoder(
+        patch_size=7,
+        num_heads=2,
+        clip_embed_dim=8,
+        clip_num_layers=1,
+        projection_embed_dim=16,
+        decoder_embed_dim=12,
+        tile_size=28,
+    )
+    features = encoder(tiles)
+    n_patch = (torch.tensor(out["tokens"]) == LLAMA4_PATCH_TOKEN).sum()
+    assert n_patch == features.shape[:2].numel()
+
+
+def test_published_counts(bpe_file):
+    assert llama4_transform(bpe_file, image_size=448).patch_tokens_per_tile == 256
+    tok = Llama4Tokenizer(bpe_file)
+    call = Message("assistant", "f()", ipython=True, eot=False)
+    assert tok.tokenize_message(call)[-1] == S["<|eom|>"]
+    assert tok.tokenize_message(Message("assistant", "ok"))[-1] == S["<|eot|>"]
+
+
+@pytest.mark.parametrize("factor", [0.3, 0.0, 2.0, 1 / 3])
+def test_bad_pixel_shuffle_refused(bpe_file, factor):
+    "28-pixel tiles of 7-pixel patches: a 4 x 4 grid, which 1/3 does not divide."
+    with pytest.raises(ValueError, match="pixel_shuffle_scaling_factor"):
+        Llama4Transform(
+            bpe_file, tile_size=28, patch_size=7, pixel_shuffle_scaling_factor=factor
+        )
+
+
+@pytest.mark.parametrize(
+    "image, said",
+    [
+        (torch.rand(3, 60, 200), "torch.float32 tensor of shape (3, 60, 200)"),
+        (torch.zeros(60, 200, 3, dtype=torch.uint8), "shape (60, 200, 3)"),
+        (np.zeros((60, 200, 3), dtype=np.uint8), "a ndarray"),
+    ],
+)
+def test_bad_image_refused(bpe_file, image, said):
+    transform = Llama4Transform(bpe_file, tile_size=28, patch_size=7)
+    content = [{"type": "image", "content": image}]
+    with pytest.raises(ValueError, match=re.escape(said)):
+        transform({"messages": [Message("user", content)]})
+    ok = (torch.rand(3, 60, 200) * 255).byte()  # uint8 [3, H, W]: several tiles
+    out = transform({"messages": [Message("user", [{"type": "image", "content": ok}])]})
+    assert out["encoder_input"]["vision"]["images"][0].shape[0] > 1

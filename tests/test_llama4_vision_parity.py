@@ -125,6 +125,35 @@ def test_kv_cache_decoding_after_an_image_prompt_matches_the_full_forward(case):
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
 
 
+def test_placeholders_without_their_images_are_refused(case):
+    "Before, the placeholder positions kept uninitialised memory (no error)."
+    ours, *_ = case
+    with pytest.raises(ValueError, match=r"tokens hold 12 placeholders \(id 100\) but encoder_input has no 'vision'"):
+        ours(tokens_with_images(seed=10))
+
+
+@pytest.mark.parametrize("n_images", [2, 4])
+def test_image_vectors_must_match_the_placeholders(case, n_images):
+    "Too few or too many images for the 12 placeholders: both refused, naming both counts (transformers raises too)."
+    ours, theirs, *_ = case
+    tokens, pixels = tokens_with_images(seed=11), images(n_images, seed=12)
+    with pytest.raises(ValueError, match=f"returned {n_images * PER_IMAGE} vectors for 12 placeholder tokens"):
+        ours(tokens, encoder_input={"vision": {"images": pixels}})
+    with pytest.raises(ValueError):
+        theirs(input_ids=tokens, pixel_values=pixels)
+
+
+@pytest.mark.parametrize("size", [21, 32])
+def test_images_that_are_not_one_tile_are_refused(case, size):
+    "A 32 x 32 image passed the tile-28 tower silently, a 21 x 21 one failed with a bare RuntimeError."
+    ours, *_ = case
+    pixels = torch.randn(1, 3, size, size)
+    with pytest.raises(ValueError, match=f"images are {size}x{size} pixels, the tower takes 28x28 tiles"):
+        ours.encoders["vision"](pixels)
+    tower = ours.encoders["vision"]  # built without tile_size, the tile size comes from the tower's patch grid
+    assert type(tower)(tower.clip, tower.projection).tile_size == tower.tile_size == 28
+
+
 def test_keys_convert_both_ways_exactly(case):
     ours, _, files, cfg, _ = case
     args = llama4_conversion_args(cfg)
@@ -180,11 +209,11 @@ def test_trainable_parts_follow_torchtune(case):
     assert llama4_from_hf_config(cfg_without_token).encoder_tokens == {"vision": LLAMA4_PATCH_TOKEN}
 
 
-def test_checkpointer_reads_and_writes_the_whole_model(case, tmp_path, monkeypatch):
-    "With the three functions as a whole-model type, the checkpointer round-trips through transformers' own reader."
+def test_checkpointer_reads_and_writes_the_whole_model(case, tmp_path):
+    "The registered whole-model type holds the three functions; the checkpointer round-trips through transformers."
     ours, theirs, _, cfg, folder = case
-    monkeypatch.setitem(checkpointing.WHOLE_MODEL_TYPES, "LLAMA4_VISION",
-                        ("llama4", llama4_hf_to_tune, llama4_tune_to_hf, llama4_conversion_args))
+    assert checkpointing.WHOLE_MODEL_TYPES["LLAMA4_VISION"] == (
+        "llama4", llama4_hf_to_tune, llama4_tune_to_hf, llama4_conversion_args)
     checkpointer = FullModelHFCheckpointer(folder, model_type="LLAMA4_VISION", output_dir=tmp_path / "out")
     state = checkpointer.load_checkpoint()["model"]
     assert state.keys() == ours.state_dict().keys() and all(torch.equal(state[k], v)

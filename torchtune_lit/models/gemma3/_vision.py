@@ -18,6 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...modules.attention import MultiHeadAttention
+from ...modules.model_fusion import get_fusion_params, register_fusion_module
+from ...modules.peft import set_trainable_params
 from ...modules.rms_norm import GemmaRMSNorm
 from ...modules.transformer import TransformerDecoder, TransformerSelfAttentionLayer
 from .._families import text_decoder_config, text_decoder_weights
@@ -161,7 +163,8 @@ def gemma3_vision_encoder(
 ) -> Gemma3VisionEncoder:
     """Gemma 3's image encoder: a SigLIP tower (defaults: the so400m tower of the 4B,
     12B and 27B checkpoints, 896-pixel images in 14-pixel patches) and the projector
-    to `decoder_dim`, giving `tokens_per_image` (a square) embeddings per image."""
+    to `decoder_dim`, giving `tokens_per_image` (a square) embeddings per image. The
+    projector is registered as a fusion module (`get_fusion_params` lists it)."""
     side = round(tokens_per_image**0.5)
     if side * side != tokens_per_image:
         raise ValueError(
@@ -183,6 +186,7 @@ def gemma3_vision_encoder(
     projection = Gemma3MultiModalProjector(
         embed_dim, decoder_dim, siglip.patches_per_side, side, norm_eps
     )
+    register_fusion_module(projection)  # new to both pretrained parts
     return Gemma3VisionEncoder(siglip, projection)
 
 # %% ../../../nbs/27c_gemma3_vision.ipynb #g3v18
@@ -248,6 +252,25 @@ def image_block_ids(tokens: torch.Tensor, image_token_id: int) -> torch.Tensor:
     starts = is_image & ~F.pad(is_image, (1, 0))[:, :-1]
     return torch.where(is_image, starts.cumsum(dim=1) - 1, -1)
 
+# %% ../../../nbs/27c_gemma3_vision.ipynb #g3v27a
+def _refuse_cut_images(
+    tokens: torch.Tensor, image_token_id: int, input_pos: torch.Tensor
+) -> None:
+    """ValueError if a row of `tokens` [b, s] at positions `input_pos` [b|1, s] starts
+    with an image token past position 0: that image began in an earlier call, whose
+    cached tokens could not attend to this call's (its two-way block would be lost)."""
+    if tokens.shape[1] == 0:
+        return
+    first = input_pos.expand(tokens.shape)[:, 0]
+    cut = (tokens[:, 0] == image_token_id) & (first > 0)
+    if bool(cut.any()):
+        raise ValueError(
+            f"the tokens start with an image token (id {image_token_id}) at position "
+            f"{int(first[cut][0])}: an image cut between two cached calls loses its "
+            "two-way attention. Start each call before an image's <start_of_image>, "
+            "never inside its run of image tokens."
+        )
+
 # %% ../../../nbs/27c_gemma3_vision.ipynb #g3v28
 def gemma3_image_mask(
     tokens: torch.Tensor,
@@ -259,10 +282,13 @@ def gemma3_image_mask(
     bidirectional among the tokens of one image (transformers' token_type_ids mask).
     `input_pos` [b|1, s] and `kv_len` (a KV cache's length) place the tokens in the
     cache; by default they are positions 0..s-1 of a sequence of s. The
-    sliding-window layers narrow the mask to their window themselves."""
+    sliding-window layers narrow the mask to their window themselves. A call whose
+    first token is an image token at a position past 0 is refused: its image began
+    in an earlier call, whose cached tokens could not see this one's."""
     b, s = tokens.shape
     q_pos = torch.arange(s, device=tokens.device) if input_pos is None else input_pos
     q_pos = q_pos.expand(b, s)
+    _refuse_cut_images(tokens, image_token_id, q_pos)
     kv_len = s if kv_len is None else kv_len
     block = image_block_ids(tokens, image_token_id)
     kv_block = block.new_full((b, kv_len), -1).scatter(1, q_pos, block)
@@ -298,26 +324,12 @@ def gemma3_fused_embeddings(
         return h
     return h.masked_scatter(is_image[..., None], image_features.to(h.dtype))
 
-# %% ../../../nbs/27c_gemma3_vision.ipynb #g3v36
-class Gemma3EarlyFusionModel(nn.Module):
-    """Gemma 3 with its vision tower (transformers' `Gemma3ForConditionalGeneration`):
-    `encoder` turns each image into `tokens_per_image` embeddings that replace the
-    image's placeholder tokens (`image_token_id`) in the `decoder`'s input, and the
-    tokens of one image attend to each other in both directions.
-
-    `forward(tokens, encoder_input={"images": [n, c, h, w]})`: the images in order of
-    their runs of placeholders along the rows. Text embeddings are scaled by the
-    decoder's `embed_scale`, image embeddings are not (as in transformers)."""
-
-    def __init__(
-        self, decoder: TransformerDecoder, encoder: nn.Module, image_token_id: int
-    ) -> None:
-        super().__init__()
-        self.decoder, self.encoder = decoder, encoder
-        self.image_token_id = image_token_id
+# %% ../../../nbs/27c_gemma3_vision.ipynb #g3v35a
+class _DecoderCaches:
+    "KV caches and output chunks, handed to `self.decoder` (the encoder needs none)."
 
     def setup_caches(self, batch_size: int, dtype: torch.dtype, **kwargs: Any) -> None:
-        "KV caches for the decoder's layers (the encoder needs none)."
+        "KV caches for the decoder's layers."
         self.decoder.setup_caches(batch_size, dtype, **kwargs)
 
     def caches_are_setup(self) -> bool:
@@ -345,6 +357,42 @@ class Gemma3EarlyFusionModel(nn.Module):
         "The decoder's output projection."
         return self.decoder.output
 
+# %% ../../../nbs/27c_gemma3_vision.ipynb #g3v35c
+def _set_trainable(
+    model: nn.Module, decoder: bool, encoder: bool, fusion: bool
+) -> None:
+    "requires_grad on `model.decoder` / `model.encoder` / its fusion parameters."
+    trainable = set()
+    if encoder:
+        trainable |= {f"encoder.{n}" for n, _ in model.encoder.named_parameters()}
+    if decoder:
+        trainable |= {f"decoder.{n}" for n, _ in model.decoder.named_parameters()}
+    fusion_params = set(get_fusion_params(model))
+    trainable = trainable | fusion_params if fusion else trainable - fusion_params
+    set_trainable_params(model, trainable)
+
+# %% ../../../nbs/27c_gemma3_vision.ipynb #g3v36
+class Gemma3EarlyFusionModel(_DecoderCaches, nn.Module):
+    """Gemma 3 with its vision tower (transformers' `Gemma3ForConditionalGeneration`):
+    `encoder` turns each image into embeddings that replace its placeholder tokens
+    (`image_token_id`) in the `decoder`'s input, unscaled; the tokens of one image
+    attend to each other both ways. Trainable parts as in `EarlyFusionModel`.
+    `encoder_input={"images": [n, c, h, w]}`: in order of their runs of placeholders."""
+
+    def __init__(
+        self,
+        decoder: TransformerDecoder,
+        encoder: nn.Module,
+        image_token_id: int,
+        decoder_trainable: bool = False,
+        encoder_trainable: bool = False,
+        fusion_trainable: bool = True,
+    ) -> None:
+        super().__init__()
+        self.decoder, self.encoder = decoder, encoder
+        self.image_token_id = image_token_id
+        _set_trainable(self, decoder_trainable, encoder_trainable, fusion_trainable)
+
     def forward(
         self,
         tokens: torch.Tensor,
@@ -355,25 +403,19 @@ class Gemma3EarlyFusionModel(nn.Module):
     ) -> Union[torch.Tensor, list[torch.Tensor]]:
         """Logits for `tokens` [b, s]; `encoder_input` {"images": [n, c, h, w]};
         `mask` [b, s, s_kv] replaces the built one (causal + bidirectional images)."""
-        if tokens.shape[1] > self.decoder.max_seq_len:
-            raise ValueError(
-                f"sequence length {tokens.shape[1]} exceeds the model's max_seq_len "
-                f"{self.decoder.max_seq_len}: truncate the input."
-            )
+        if (s := tokens.shape[1]) > (most := self.decoder.max_seq_len):
+            raise ValueError(f"{s} tokens exceed max_seq_len {most}: truncate them.")
+        if input_pos is not None:  # an image must come whole into the KV cache
+            _refuse_cut_images(tokens, self.image_token_id, input_pos)
         features = None if encoder_input is None else self.encoder(**encoder_input)
         h = gemma3_fused_embeddings(
-            tokens,
-            self.decoder.tok_embeddings,
-            self.decoder.embed_scale,
-            self.image_token_id,
-            features,
-        )
+            tokens, self.decoder.tok_embeddings, self.decoder.embed_scale,
+            self.image_token_id, features,
+        )  # fmt: skip
         if mask is None and features is not None:
             if self.caches_are_enabled():
-                cache = self.decoder.layers[0].attn.kv_cache
-                mask = gemma3_image_mask(
-                    tokens, self.image_token_id, input_pos, cache.max_seq_len
-                )
+                kv_len = self.decoder.layers[0].attn.kv_cache.max_seq_len
+                mask = gemma3_image_mask(tokens, self.image_token_id, input_pos, kv_len)
             elif input_pos is None:
                 mask = gemma3_image_mask(tokens, self.image_token_id)
             else:
@@ -398,9 +440,16 @@ _SIGLIP_FIELDS = {  # vision_config.json's name -> gemma3_vision_encoder's
 GEMMA3_IMAGE_TOKEN_ID = 262_144  # <image_soft_token>
 
 # %% ../../../nbs/27c_gemma3_vision.ipynb #g3v41
-def gemma3_vision_from_hf_config(config: dict[str, Any]) -> Gemma3EarlyFusionModel:
+def gemma3_vision_from_hf_config(
+    config: dict[str, Any],
+    *,
+    decoder_trainable: bool = True,
+    encoder_trainable: bool = False,
+    fusion_trainable: bool = True,
+) -> Gemma3EarlyFusionModel:
     """The whole model that a `Gemma3ForConditionalGeneration` config.json (a dict,
-    model_type gemma3) describes: its text decoder, SigLIP tower and projector."""
+    model_type gemma3) describes: its text decoder, SigLIP tower and projector. By
+    default the decoder and projector train and the tower is frozen."""
     vision = config.get("vision_config") or {}
     if vision.get("vision_use_head", True):
         raise ValueError(
@@ -425,7 +474,10 @@ def gemma3_vision_from_hf_config(config: dict[str, Any]) -> Gemma3EarlyFusionMod
     )
     decoder = build_from_hf_config(text)
     image_token_id = config.get("image_token_index", GEMMA3_IMAGE_TOKEN_ID)
-    return Gemma3EarlyFusionModel(decoder, encoder, image_token_id)
+    return Gemma3EarlyFusionModel(
+        decoder, encoder, image_token_id, decoder_trainable=decoder_trainable,
+        encoder_trainable=encoder_trainable, fusion_trainable=fusion_trainable,
+    )  # fmt: skip
 
 # %% ../../../nbs/27c_gemma3_vision.ipynb #g3v44
 def gemma3_vision_hf_to_tune(
@@ -554,16 +606,18 @@ def gemma3_vision_config(size: str) -> dict[str, Any]:
     )  # fmt: skip
 
 # %% ../../../nbs/27c_gemma3_vision.ipynb #g3v60
-def gemma3_vision_4b() -> Gemma3EarlyFusionModel:
-    "gemma-3-4b(-it) whole: SigLIP so400m, the projector to 2,560, the text decoder."
-    return gemma3_vision_from_hf_config(gemma3_vision_config("gemma3_4b"))
+def gemma3_vision_4b(**trainable: bool) -> Gemma3EarlyFusionModel:
+    """gemma-3-4b(-it) whole: SigLIP so400m, the projector to 2,560, the text decoder.
+    `trainable`: decoder_trainable / encoder_trainable / fusion_trainable, as in
+    `gemma3_vision_from_hf_config` (default: the tower frozen)."""
+    return gemma3_vision_from_hf_config(gemma3_vision_config("gemma3_4b"), **trainable)
 
 
-def gemma3_vision_12b() -> Gemma3EarlyFusionModel:
+def gemma3_vision_12b(**trainable: bool) -> Gemma3EarlyFusionModel:
     "gemma-3-12b(-it) whole: the same tower, the projector to 3,840, the decoder."
-    return gemma3_vision_from_hf_config(gemma3_vision_config("gemma3_12b"))
+    return gemma3_vision_from_hf_config(gemma3_vision_config("gemma3_12b"), **trainable)
 
 
-def gemma3_vision_27b() -> Gemma3EarlyFusionModel:
+def gemma3_vision_27b(**trainable: bool) -> Gemma3EarlyFusionModel:
     "gemma-3-27b(-it) whole: the same tower, the projector to 5,376, the decoder."
-    return gemma3_vision_from_hf_config(gemma3_vision_config("gemma3_27b"))
+    return gemma3_vision_from_hf_config(gemma3_vision_config("gemma3_27b"), **trainable)

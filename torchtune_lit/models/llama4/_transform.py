@@ -149,8 +149,9 @@ def _check_llama4_specials(special_tokens: Mapping[str, int]) -> None:
 
 # %% ../../../nbs/35e_llama4_transform.ipynb #l4t11c
 class _Llama4Ids:
-    """Llama4Tokenizer's ids: segments to ids, an image's grid, and decoding back to
-    text (torchtune's defaults: stop at EOS, drop special tokens and headers)."""
+    """Llama4Tokenizer's ids: segments to ids, an image's grid, one message, and
+    decoding back to text (torchtune's defaults: stop at EOS, drop special tokens
+    and headers)."""
 
     def _ids(self, segments: list) -> list[int]:
         "Special tokens by id, text through the tiktoken vocabulary."
@@ -169,6 +170,23 @@ class _Llama4Ids:
         part = {"aspect_ratio": aspect_ratio}
         part["patch_tokens_per_tile"] = patch_tokens_per_tile
         return self._ids(self.chat_format.image(part))
+
+    def tokenize_message(
+        self,
+        message: Message,
+        *,
+        add_start_tokens: bool = True,
+        add_end_tokens: bool = True,
+    ) -> list[int]:
+        """One message's ids: header (`add_start_tokens`), parts, eot or eom
+        (`add_end_tokens`)."""
+        if message.tool_calls:
+            raise ValueError(
+                "a message has tool_calls, which Llama4Tokenizer does not write: put "
+                "the call in the assistant's text (ipython=True), as torchtune does."
+            )
+        segments = self.chat_format.message(message, add_start_tokens, add_end_tokens)
+        return self._ids(segments)
 
     def decode(
         self,
@@ -189,24 +207,6 @@ class _Llama4Conversation(_Llama4Ids):
     """Llama4Tokenizer's conversation methods, torchtune's way: end tokens and
     truncation as torchtune's Llama 4 tokenizer has them (BOS and EOS always masked,
     the last token made EOS when cut)."""
-
-    def tokenize_message(
-        self,
-        message: Message,
-        *,
-        add_start_tokens: bool = True,
-        add_end_tokens: bool = True,
-    ) -> list[int]:
-        """One message's ids: header (`add_start_tokens`), parts, eot or eom
-        (`add_end_tokens`)."""
-        if message.tool_calls:
-            raise ValueError(
-                "a message has tool_calls, which Llama4Tokenizer does not write: put "
-                "the call in the assistant's text (ipython=True), as torchtune does."
-            )
-        segments = self.chat_format.message(message, add_start_tokens, add_end_tokens)
-        return self._ids(segments)
-
 
     def tokenize_messages(
         self,
@@ -243,7 +243,6 @@ class _Llama4Conversation(_Llama4Ids):
             tokens = truncate(tokens, eos_id=self.eos_id if end else None, **cut)
             mask = truncate(mask, eos_id=True if end else None, **cut)
         return tokens, mask
-
 
     def __call__(self, sample: Mapping[str, Any], inference: bool = False) -> dict:
         """`sample` with `tokens` and `mask` for its `messages` (dropped, as torchtune
@@ -352,10 +351,45 @@ class Llama4Thumbnail:
             x = (x - mean) / std
         return x
 
+# %% ../../../nbs/35e_llama4_transform.ipynb #l4t25b
+def _check_image(image: Any) -> None:
+    "A PIL image or a uint8 [3, H, W] tensor; anything else refused by what it is."
+    if isinstance(image, Image.Image):
+        return
+    if isinstance(image, torch.Tensor):
+        if image.dtype == torch.uint8 and image.dim() == 3 and image.shape[0] == 3:
+            return
+        got = f"a {image.dtype} tensor of shape {tuple(image.shape)}"
+    else:
+        got = f"a {type(image).__name__}"
+    raise ValueError(
+        f"an image part holds {got}; give a PIL image or a uint8 [3, H, W] tensor "
+        "(bytes 0-255, channels first: permute an [H, W, 3] array)."
+    )
+
+
+def _shuffled_tokens(tile_size: int, patch_size: int, factor: float) -> int:
+    """Tokens one tile leaves after the pixel shuffle; `tile_size` must be a multiple
+    of `patch_size`, and `factor` 1/n with n dividing the patch grid's side."""
+    if tile_size % patch_size:
+        raise ValueError(
+            f"tile_size={tile_size} is not a multiple of patch_size="
+            f"{patch_size}: give the vision encoder's own sizes."
+        )
+    side = tile_size // patch_size
+    n = round(1 / factor) if factor > 0 else 0
+    if n < 1 or abs(n * factor - 1) > 1e-6 or side % n:
+        raise ValueError(
+            f"pixel_shuffle_scaling_factor={factor} must be 1/n with n dividing "
+            f"the {side} x {side} patch grid (tile_size // patch_size); Llama 4 "
+            "uses 0.5."
+        )
+    return (side // n) ** 2
+
+
 # %% ../../../nbs/35e_llama4_transform.ipynb #l4t27
 class _Llama4TransformMethods:
-    """Llama4Transform's methods: images through CLIP and the thumbnail, text
-    through the tokenizer."""
+    "Llama4Transform's methods: images tiled (CLIP, thumbnail), text tokenized."
 
     @property
     def base_vocab_size(self) -> int:
@@ -370,6 +404,7 @@ class _Llama4TransformMethods:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(tiles [n, 3, tile, tile], aspect ratio [rows, cols]); several tiles are
         followed by the whole image's thumbnail (n = rows * cols + 1)."""
+        _check_image(image)
         out = self.clip_transform({"image": image}, inference=inference)
         tiles, aspect_ratio = out["image"], out["aspect_ratio"]
         if tiles.shape[0] > 1:
@@ -436,11 +471,9 @@ class Llama4Transform(_Llama4TransformMethods):
         dtype: torch.dtype = torch.bfloat16,
         prompt_template: Any = None,
     ) -> None:
-        if tile_size % patch_size:
-            raise ValueError(
-                f"tile_size={tile_size} is not a multiple of patch_size="
-                f"{patch_size}: give the vision encoder's own sizes."
-            )
+        tokens_per_tile = _shuffled_tokens(
+            tile_size, patch_size, pixel_shuffle_scaling_factor
+        )
         self.tokenizer = llama4_tokenizer(
             path, special_tokens_path, max_seq_len, prompt_template
         )
@@ -465,8 +498,7 @@ class Llama4Transform(_Llama4TransformMethods):
         self.image_seq_len = max_num_tiles * self.patches_per_tile
         self.pixel_shuffle_scaling_factor = pixel_shuffle_scaling_factor
         # the tokens one tile leaves after the projection's pixel shuffle
-        shuffled = self.patches_per_tile * pixel_shuffle_scaling_factor**2
-        self.patch_tokens_per_tile = int(shuffled)
+        self.patch_tokens_per_tile = tokens_per_tile
 
 # %% ../../../nbs/35e_llama4_transform.ipynb #l4t30
 def llama4_transform(

@@ -8,6 +8,7 @@ __all__ = ['LLAMA4_VISION_ENCODER_ARGS', 'LLAMA4_PATCH_TOKEN', 'Llama4VisionProj
            'llama4_hf_to_tune', 'llama4_tune_to_hf', 'llama4_conversion_args']
 
 # %% ../../../nbs/35d_llama4_vision.ipynb #l4v05
+import math
 from typing import Any, Optional
 
 import torch
@@ -73,14 +74,25 @@ class Llama4VisionProjectionHead(nn.Module):
 class Llama4VisionEncoder(nn.Module):
     """Llama 4's image encoder: `clip` (a `VisionTransformer` with 2-D RoPE and the
     CLS token appended) and `projection_head` (registered as a fusion module, so that
-    `fusion_trainable` governs it). Images (or tiles) [b, c, h, w] ->
-    [b, tokens per image, decoder_dim]."""
+    `fusion_trainable` governs it). Tiles [b, c, tile_size, tile_size] ->
+    [b, tokens per tile, decoder_dim]; `tile_size` defaults to the tower's patch
+    grid times its patch size."""
 
-    def __init__(self, clip: nn.Module, projection_head: nn.Module) -> None:
+    def __init__(
+        self,
+        clip: nn.Module,
+        projection_head: nn.Module,
+        *,
+        tile_size: Optional[int] = None,
+    ) -> None:
         super().__init__()
         self.clip = clip
         self.projection = projection_head
         register_fusion_module(self.projection)
+        if tile_size is None:
+            grid = math.isqrt(clip.patches_per_tile)
+            tile_size = grid * clip.conv.kernel_size[0]
+        self.tile_size = tile_size
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         "images [b, c, h, w]: each one tile -> [b, s, decoder_dim]."
@@ -88,6 +100,12 @@ class Llama4VisionEncoder(nn.Module):
             raise ValueError(
                 f"images must be [b, c, h, w] (tiles flattened into b), got shape "
                 f"{tuple(images.shape)}."
+            )
+        (h, w), t = images.shape[-2:], self.tile_size
+        if (h, w) != (t, t):
+            raise ValueError(
+                f"images are {h}x{w} pixels, the tower takes {t}x{t} tiles: run "
+                "them through Llama4Transform first."
             )
         x, _ = self.clip(images[:, None, None])  # one image of one tile each
         return self.projection(x[:, 0, 0])
@@ -147,7 +165,7 @@ def llama4_vision_encoder(
         clip_embed_dim=clip_embed_dim,
         projection_embed_dim=projection_embed_dim,
     )
-    return Llama4VisionEncoder(clip=clip, projection_head=head)
+    return Llama4VisionEncoder(clip=clip, projection_head=head, tile_size=tile_size)
 
 # %% ../../../nbs/35d_llama4_vision.ipynb #l4v15
 # Scout's and Maverick's vision_config (the same tower in both), torchtune's names

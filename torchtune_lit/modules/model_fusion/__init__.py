@@ -257,16 +257,24 @@ def _early_fused_embeddings(
     text = tok_embeddings(tokens[is_text])
     embeds = text.new_empty(*tokens.shape, text.shape[-1])
     embeds[is_text] = text
-    for name, out in encoder_outputs.items():
-        where = tokens == encoder_tokens[name]
-        vectors, needed = out.reshape(-1, text.shape[-1]), int(where.sum())
-        if vectors.shape[0] < needed:
+    for name, token in encoder_tokens.items():
+        where = tokens == token
+        needed = int(where.sum())
+        if needed == 0:
+            continue  # e.g. a decoding step: no placeholder, nothing to place
+        if name not in encoder_outputs:
+            raise ValueError(
+                f"tokens hold {needed} placeholders (id {token}) but encoder_input "
+                f"has no {name!r}: pass the images they stand for."
+            )
+        vectors = encoder_outputs[name].reshape(-1, text.shape[-1])
+        if vectors.shape[0] != needed:
             raise ValueError(
                 f"encoder {name!r} returned {vectors.shape[0]} vectors for {needed} "
-                f"placeholder tokens (id {encoder_tokens[name]}): give one "
-                "placeholder per output vector."
+                f"placeholder tokens (id {token}): give one placeholder per output "
+                "vector."
             )
-        embeds[where] = vectors[:needed].to(text.dtype)  # decoding: fewer, or none
+        embeds[where] = vectors.to(text.dtype)
     return embeds
 
 # %% ../../../nbs/18d_model_fusion.ipynb #18d32
