@@ -45,9 +45,27 @@ def _text(source) -> str:
 SITE_LINK = re.compile(r"\]\(" + re.escape(SITE_URL) + r"([\w./-]+?)\.html(?:#[^)]*)?\)")
 
 
+# nbdev links a `name` in backticks to its page even inside a link the prose already
+# wrote ([`KVCache`](13_kv_cache.ipynb)), which would show as "[KVCache](13_kv_cache.ipynb)":
+# inside a link's text, each such doc link goes back to the plain `name`
+DOC_LINK = r"\[`[^`\]]+`\]\([^)\s]*\)"
+LINK_WITH_DOC_LINKS = re.compile(
+    rf"\[((?:[^\[\]]|{DOC_LINK})*{DOC_LINK}(?:[^\[\]]|{DOC_LINK})*)\]\("
+)
+
+
+def _unnest_links(text: str) -> str:
+    def plain(match: re.Match) -> str:
+        return "[" + re.sub(r"\[(`[^`\]]+`)\]\([^)\s]*\)", r"\1", match.group(1)) + "]("
+
+    return LINK_WITH_DOC_LINKS.sub(plain, text)
+
+
 def _clean_markdown(text: str) -> str:
-    "Remove pandoc link attributes; links to pages of the quarto site become links to the page's notebook."
-    return SITE_LINK.sub(r"](\1.ipynb)", PANDOC_ATTRS.sub("", text))
+    """Remove pandoc link attributes and the doc links nbdev nests inside links; links to
+    pages of the quarto site become links to the page's notebook."""
+    text = _unnest_links(PANDOC_ATTRS.sub("", text))
+    return SITE_LINK.sub(r"](\1.ipynb)", text)
 
 
 def _title_cells(front_matter: dict, notebook_name: str) -> list[dict]:

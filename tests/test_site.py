@@ -128,6 +128,14 @@ def test_pages_carry_no_paths_tracebacks_warnings_or_progress_bars():
     assert not found, "\n".join(found[:20])
 
 
+def test_links_render_as_links():
+    "No page shows a link's markdown, as nbdev's doc link nested inside a written link did: '[KVCache](13_kv_cache.ipynb)'."
+    shown = re.compile(r"\]\([\w./-]+\.(?:ipynb|html)(?:#[^)\s]*)?\)")
+    assert shown.search("a [KVCache](13_kv_cache.ipynb) of")  # what it looks for
+    found = [f"{page}: {m.group(0)}" for page, text in page_texts().items() for m in shown.finditer(text)]
+    assert not found, "\n".join(found[:20])
+
+
 def test_pattern_catches_what_it_should():
     "The checks above find a real path, traceback, warning and progress bar (so they are not vacuous)."
     samples = {"a machine path": "saved to /work/main/nbs/x.json",
