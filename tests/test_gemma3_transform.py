@@ -240,9 +240,9 @@ def test_defaults_are_gemma3s(folder):
     assert out["tokens"].count(transform.image_token_id) == 256
 
 
-def test_logits_equal_transformers(folder, processor, tmp_path):
-    "The tiny Gemma 3 of tests/test_gemma3_vision_parity.py, its vocabulary and image ids the tokenizer's."
-    messages, images, _ = _conversations()[1]
+def _tiny_pair(folder, tmp_path):
+    """(transform, transformers' tiny Gemma3ForConditionalGeneration, ours with its weights): the tiny Gemma 3 of
+    tests/test_gemma3_vision_parity.py, its vocabulary and image ids the tokenizer's."""
     tokenizer = HuggingFaceModelTokenizer(folder / "tokenizer.json")
     transform = gemma3_transform(tokenizer, image_size=28, tokens_per_image=4, do_pan_and_scan=True,
                                  pan_and_scan_min_crop_size=8)
@@ -269,6 +269,13 @@ def test_logits_equal_transformers(folder, processor, tmp_path):
     ours = gemma3_vision_from_hf_config(cfg).eval()
     ours.load_state_dict(gemma3_vision_hf_to_tune(load_file(tmp_path / "model.safetensors"),
                                                   **gemma3_conversion_args(cfg)), strict=True)
+    return transform, theirs, ours
+
+
+def test_logits_equal_transformers(folder, processor, tmp_path):
+    "The transform's output in our tiny Gemma 3 equals the processor's in transformers'."
+    messages, images, _ = _conversations()[1]
+    transform, theirs, ours = _tiny_pair(folder, tmp_path)
     out = transform({"messages": messages})
     expected = _reference(processor, messages, images, False, True)
     assert out["encoder_input"]["images"].shape[0] == 9  # three pictures, six crops
@@ -278,6 +285,25 @@ def test_logits_equal_transformers(folder, processor, tmp_path):
                            token_type_ids=expected["token_type_ids"]).logits
     assert reference.abs().max() > 1.0
     torch.testing.assert_close(actual, reference, atol=1e-4, rtol=0)
+
+
+def test_a_batch_equals_its_samples(folder, tmp_path):
+    "Samples of 1 and 3 pictures (9 views) through the collate the recipes pick: each row's logits equal its own run's."
+    from torchtune_lit.data import padded_collate_early_fusion
+    from torchtune_lit.training.data_loading import _collate_for
+
+    transform, _, ours = _tiny_pair(folder, tmp_path)
+    samples = [transform({"messages": m}) for m, _, _ in _conversations()[:2]]
+    for sample in samples:
+        sample["labels"] = sample["tokens"]
+    assert _collate_for(samples) is padded_collate_early_fusion
+    batch = padded_collate_early_fusion(samples)
+    assert batch["encoder_input"]["images"].shape[0] == sum(len(x["encoder_input"]["images"]) for x in samples)
+    with torch.no_grad():
+        together = ours(batch["tokens"], encoder_input=batch["encoder_input"])
+        for row, sample in enumerate(samples):
+            alone = ours(torch.tensor([sample["tokens"]]), encoder_input=sample["encoder_input"])
+            torch.testing.assert_close(together[row, : alone.shape[1]], alone[0], atol=1e-5, rtol=0)
 
 
 def test_refusals(folder):

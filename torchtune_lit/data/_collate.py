@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['padded_collate_sft', 'padded_collate_dpo', 'padded_collate_packed', 'left_pad_sequence', 'padded_collate',
-           'padded_collate_tiled_images_and_mask']
+           'padded_collate_tiled_images_and_mask', 'padded_collate_early_fusion']
 
 # %% ../../nbs/45_collate.ipynb #ae2ecd3c
 from typing import Any, Optional, Union
@@ -241,3 +241,41 @@ def _collate_masks(
             start = length - m.shape[0] if pad_direction == "left" else 0
             mask[b, start : start + m.shape[0], i, : m.shape[1]] = m
     return mask.reshape(len(batch), length, -1)
+
+# %% ../../nbs/45_collate.ipynb #b45ef002
+def _joined(images: Any) -> torch.Tensor:
+    "One sample's images as one [n, ...] tensor: a tensor as it is, a list joined."
+    return images if isinstance(images, torch.Tensor) else torch.cat(list(images))
+
+
+def padded_collate_early_fusion(
+    batch: list[dict[str, Any]],
+    padding_idx: int = 0,
+    ignore_idx: int = CROSS_ENTROPY_IGNORE_IDX,
+    pad_direction: str = "right",
+    pad_to_multiple_of: int = 1,
+) -> dict[str, Any]:
+    """Early-fusion samples (Llama 4, Gemma 3) -> tokens [B, L] (+ labels when
+    right-padded) and `encoder_input` with every sample's images joined along dim 0
+    in batch order, the order in which the model fills its placeholder tokens."""
+    out = _text_part(batch, padding_idx, ignore_idx, pad_direction, pad_to_multiple_of)
+    inputs = [x["encoder_input"] for x in batch if x.get("encoder_input")]
+    if not inputs:
+        return out
+    layouts = {tuple(sorted(x)) for x in inputs}
+    if len(layouts) > 1:
+        raise ValueError(
+            f"the samples' encoder_input name different encoders {sorted(layouts)}; "
+            "an early-fusion batch takes one layout: use one model transform."
+        )
+    joined = {}
+    for key, first in inputs[0].items():
+        if isinstance(first, dict):  # per encoder: {"vision": {"images": ...}}
+            joined[key] = {
+                name: torch.cat([_joined(x[key][name]) for x in inputs])
+                for name in first
+            }
+        else:  # {"images": ...}
+            joined[key] = torch.cat([_joined(x[key]) for x in inputs])
+    out["encoder_input"] = joined
+    return out

@@ -66,7 +66,9 @@ def _carries_images(dataset: Any) -> bool:
 
 def _collate_for(dataset: Any, key: str = "dataset") -> Callable:
     """`padded_collate_packed` for packed data (a PackedDataset, or a ConcatDataset of
-    them), `padded_collate_tiled_images_and_mask` for samples with images, else
+    them), `padded_collate_tiled_images_and_mask` for samples with tiled images and
+    cross-attention masks (Llama 3.2 Vision), `padded_collate_early_fusion` for other
+    samples with images (Llama 4, Gemma 3), else
     `padded_collate_sft`; a mix of packed and not is refused, naming the config key."""
     packed = [isinstance(part, PackedDataset) for part in _parts(dataset)]
     if any(p != packed[0] for p in packed):
@@ -77,7 +79,9 @@ def _collate_for(dataset: Any, key: str = "dataset") -> Callable:
     if packed[0]:
         return data.padded_collate_packed
     if _carries_images(dataset):
-        return data.padded_collate_tiled_images_and_mask
+        if "encoder_mask" in dataset[0]:  # cross-attention: tiles and their mask
+            return data.padded_collate_tiled_images_and_mask
+        return data.padded_collate_early_fusion
     return data.padded_collate_sft
 
 # %% ../../nbs/71b_data_loading.ipynb #fb460225
