@@ -140,8 +140,8 @@ def nf4_quantize(
     scale_codes = (centred * factors).round().clamp(-128, 127).to(torch.int8).flatten()
     # in [-1, 1], original scales
     normalised = (flat.view(-1, block_size) / scales[:, None]).flatten()
-    code_book = nf4_code_book(weight.dtype)
-    codes = torch.empty(flat.numel(), dtype=torch.uint8)
+    code_book = nf4_code_book(weight.dtype).to(flat.device)  # where the weight is
+    codes = torch.empty(flat.numel(), dtype=torch.uint8, device=flat.device)
     # nearest code, a chunk at a time
     for start in range(0, flat.numel(), 1 << 20):
         chunk = normalised[start : start + (1 << 20)]
@@ -172,7 +172,8 @@ def nf4_dequantize(q: NF4Quantized) -> torch.Tensor:
     scales = (scale_codes / q.scale_factors[:, None]).flatten().to(
         q.dtype
     ) + q.scale_mean
-    values = nf4_code_book(q.dtype)[codes].view(-1, q.block_size) * scales[:, None]
+    code_book = nf4_code_book(q.dtype).to(codes.device)
+    values = code_book[codes].view(-1, q.block_size) * scales[:, None]
     return values.view(q.shape)
 
 # %% ../../../nbs/52_nf4.ipynb #22ea0894
