@@ -22,7 +22,10 @@ from torchtune_lit.models.convert_weights import (
     hf_to_tune,
     tune_to_hf,
 )
-from torchtune_lit.models.llama4 import llama4_maverick_17b_128e, llama4_scout_17b_16e
+from torchtune_lit.models.llama4 import (
+    llama4_maverick_17b_128e_text,
+    llama4_scout_17b_16e_text,
+)
 from torchtune_lit.modules.moe import MoE
 from torchtune_lit.recipes.quantize import (
     load_quantized,
@@ -134,8 +137,8 @@ def test_saved_checkpoint_loads_back_in_transformers_with_equal_logits(case, tmp
 
 
 def test_multimodal_checkpoint_loads_its_text_decoder(tmp_path, capsys):
-    """Llama4ForConditionalGeneration: the checkpointer reads `language_model.` weights and leaves the vision side
-    out; `build_from_hf_config` refuses the multimodal config unless asked for the text decoder alone."""
+    """Llama4ForConditionalGeneration: torchtune's LLAMA4 reads it whole; LLAMA4_TEXT reads `language_model.` weights
+    and leaves the vision side out; `build_from_hf_config` refuses the multimodal config unless asked for the text decoder alone."""
     text = transformers.Llama4TextConfig(**SMALL, **CASES["scout_like"])
     vision = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, image_size=28,
                   patch_size=14, projector_input_dim=32, projector_output_dim=32, vision_output_dim=32)
@@ -145,7 +148,9 @@ def test_multimodal_checkpoint_loads_its_text_decoder(tmp_path, capsys):
     theirs.save_pretrained(tmp_path / "multimodal")
     whole = build_from_hf_config(tmp_path / "multimodal")  # vision encoder included
     assert type(whole).__name__ == "EarlyFusionModel" and "vision" in whole.encoders
-    checkpointer = FullModelHFCheckpointer(tmp_path / "multimodal", model_type="LLAMA4")
+    whole_state = FullModelHFCheckpointer(tmp_path / "multimodal", model_type="LLAMA4").load_checkpoint()["model"]
+    assert whole_state.keys() == whole.state_dict().keys()  # torchtune's LLAMA4: the whole model
+    checkpointer = FullModelHFCheckpointer(tmp_path / "multimodal", model_type="LLAMA4_TEXT")
     assert checkpointer.config["model_type"] == "llama4_text"
     state = checkpointer.load_checkpoint()["model"]
     assert "tensors of the vision tower and projector were left out" in capsys.readouterr().out
@@ -170,7 +175,7 @@ def test_multimodal_folder_loads_for_eval_and_quantize(tmp_path):
     theirs = transformers.Llama4ForConditionalGeneration(config).eval()
     randomize_(theirs)
     theirs.save_pretrained(tmp_path / "multimodal")
-    checkpointer = FullModelHFCheckpointer(tmp_path / "multimodal", model_type="LLAMA4")
+    checkpointer = FullModelHFCheckpointer(tmp_path / "multimodal", model_type="LLAMA4_TEXT")
     ours = load_model_for_eval(checkpointer, torch.device("cpu"), torch.float32)
     assert not ours.training
     tokens = torch.randint(0, 128, (2, SEQ), generator=torch.Generator().manual_seed(6))
@@ -185,12 +190,12 @@ def test_multimodal_folder_loads_for_eval_and_quantize(tmp_path):
 PUBLISHED_TEXT = dict(vocab_size=202_048, hidden_size=5120, intermediate_size=8192, intermediate_size_mlp=16_384,
                       num_hidden_layers=48, num_attention_heads=40, num_key_value_heads=8, head_dim=128,
                       attention_chunk_size=8192)
-PUBLISHED = {  # builder -> the text_config of the published checkpoint's config.json
-    llama4_scout_17b_16e: dict(
+PUBLISHED = {  # text builder -> the text_config of the published checkpoint's config.json
+    llama4_scout_17b_16e_text: dict(
         num_local_experts=16, interleave_moe_layer_step=1, use_qk_norm=True, max_position_embeddings=10_485_760,
         rope_parameters=dict(rope_type="llama3", rope_theta=500_000.0, factor=16.0, low_freq_factor=1.0,
                              high_freq_factor=1.0, original_max_position_embeddings=8192)),
-    llama4_maverick_17b_128e: dict(
+    llama4_maverick_17b_128e_text: dict(
         num_local_experts=128, interleave_moe_layer_step=2, use_qk_norm=False, max_position_embeddings=1_048_576,
         rope_parameters=dict(rope_type="default", rope_theta=500_000.0)),
 }

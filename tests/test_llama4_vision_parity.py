@@ -7,8 +7,9 @@ of 7 (a 4 x 4 grid, 4 vectors per image after the pixel shuffle). Our encoder eq
 the sequence and with text alone within 1e-4 (measured ~3e-6); the KV-cache decoding after an image prompt equals the
 full forward; the keys convert both ways exactly (either naming of the text side); the checkpointer, given the three
 conversion functions as a whole-model type, loads the folder and saves one transformers reads back with the same
-logits; the published vision encoder (Scout's and Maverick's, the same) and Scout's whole model have transformers'
-parameter counts and tensor shapes on the meta device (nothing downloads).
+logits (torchtune's LLAMA4 and our older LLAMA4_VISION); the published vision encoder (Scout's and Maverick's, the
+same) and the whole models of torchtune's size builders (Scout, Maverick) have transformers' parameter counts and
+tensor shapes on the meta device (nothing downloads); the LoRA Scout builder puts adapters where its switches say.
 """
 import json
 
@@ -24,9 +25,12 @@ from torchtune_lit.models.llama4 import (
     llama4_conversion_args,
     llama4_from_hf_config,
     llama4_hf_to_tune,
+    llama4_maverick_17b_128e,
+    llama4_scout_17b_16e,
     llama4_tune_to_hf,
     llama4_vision_encoder,
     llama4_vision_encoder_from_hf_config,
+    lora_llama4_scout_17b_16e,
 )
 from torchtune_lit.training import checkpointing
 from torchtune_lit.training.checkpointing import FullModelHFCheckpointer
@@ -209,12 +213,14 @@ def test_trainable_parts_follow_torchtune(case):
     assert llama4_from_hf_config(cfg_without_token).encoder_tokens == {"vision": LLAMA4_PATCH_TOKEN}
 
 
-def test_checkpointer_reads_and_writes_the_whole_model(case, tmp_path):
-    "The registered whole-model type holds the three functions; the checkpointer round-trips through transformers."
+@pytest.mark.parametrize("model_type", ["LLAMA4", "LLAMA4_VISION"])
+def test_checkpointer_reads_and_writes_the_whole_model(case, tmp_path, model_type):
+    """torchtune's LLAMA4 (and our older LLAMA4_VISION) on a multimodal folder: the three functions; the checkpointer
+    round-trips through transformers."""
     ours, theirs, _, cfg, folder = case
-    assert checkpointing.WHOLE_MODEL_TYPES["LLAMA4_VISION"] == (
+    assert checkpointing.WHOLE_MODEL_TYPES[model_type] == (
         "llama4", llama4_hf_to_tune, llama4_tune_to_hf, llama4_conversion_args)
-    checkpointer = FullModelHFCheckpointer(folder, model_type="LLAMA4_VISION", output_dir=tmp_path / "out")
+    checkpointer = FullModelHFCheckpointer(folder, model_type=model_type, output_dir=tmp_path / "out")
     state = checkpointer.load_checkpoint()["model"]
     assert state.keys() == ours.state_dict().keys() and all(torch.equal(state[k], v)
                                                              for k, v in ours.state_dict().items())
@@ -246,7 +252,8 @@ def test_published_vision_encoder_has_transformers_parameters():
                                      projection_embed_dim=4096, decoder_embed_dim=5120, tile_size=336,
                                      max_num_tiles=16)
         vision, projector = hf_llama4.Llama4VisionModel(config.vision_config), hf_llama4.Llama4MultiModalProjector(config)
-        converted = llama4_tune_to_hf({f"encoders.vision.{k}": v for k, v in ours.state_dict().items()})
+        converted = llama4_tune_to_hf({f"encoders.vision.{k}": v for k, v in ours.state_dict().items()},
+                                      **llama4_conversion_args(config.to_dict()))
     theirs = {**{f"vision_model.{k}": v for k, v in vision.state_dict().items()},
               **{f"multi_modal_projector.{k}": v for k, v in projector.state_dict().items()}}
     assert count(ours) == count(vision) + count(projector)
@@ -260,3 +267,48 @@ def test_scout_whole_model_has_transformers_parameter_count():
         ours = llama4_from_hf_config(config.to_dict())
         theirs = transformers.Llama4ForConditionalGeneration(config)
     assert count(ours) == count(theirs)
+
+
+MAVERICK_TEXT = dict(SCOUT_TEXT, num_local_experts=128, interleave_moe_layer_step=2, use_qk_norm=False,
+                     max_position_embeddings=1_048_576, rope_parameters=dict(rope_type="default", rope_theta=500_000.0))
+
+
+@pytest.mark.parametrize("builder, text", [(llama4_scout_17b_16e, SCOUT_TEXT), (llama4_maverick_17b_128e, MAVERICK_TEXT)],
+                         ids=["scout", "maverick"])
+def test_size_builders_are_the_whole_model_with_transformers_parameters(builder, text):
+    """torchtune's size builders return the whole model: its parameter count and, converted, its tensor names and
+    shapes are those of transformers' Llama4ForConditionalGeneration of the published config (meta device)."""
+    config = transformers.Llama4Config(vision_config=PUBLISHED_VISION, text_config=text,
+                                       image_token_index=LLAMA4_PATCH_TOKEN)
+    with torch.device("meta"):
+        ours, theirs = builder(), transformers.Llama4ForConditionalGeneration(config)
+        converted = llama4_tune_to_hf(ours.state_dict(), **llama4_conversion_args(config.to_dict()))
+    assert count(ours) == count(theirs)
+    # (the save_pretrained names of the text side differ from the module names: compare the tensors' shapes)
+    assert sorted(tuple(v.shape) for v in converted.values()) == sorted(
+        tuple(v.shape) for v in theirs.state_dict().values())
+    assert ours.encoder_tokens == {"vision": LLAMA4_PATCH_TOKEN}
+    trains = {n.split(".")[0] + (".clip" if ".clip." in n else "") for n, p in ours.named_parameters() if p.requires_grad}
+    assert trains == {"decoder", "encoders"}  # torchtune's defaults: the decoder and the head, the tower frozen
+
+
+def test_lora_scout_takes_torchtunes_arguments():
+    """lora_llama4_scout_17b_16e: the plain model's keys plus adapters, where each part's switch puts them; 'full'
+    and unknown kinds are refused, naming the argument."""
+    with torch.device("meta"):
+        plain = llama4_scout_17b_16e(image_size=112)
+        default = lora_llama4_scout_17b_16e(["q_proj"], apply_lora_to_output=True, image_size=112)
+        tower = lora_llama4_scout_17b_16e(["q_proj"], decoder_trainable="frozen", encoder_trainable="lora",
+                                          fusion_trainable="frozen", image_size=112)
+    for model in (default, tower):
+        adapters = {k for k in model.state_dict() if ".lora_" in k}
+        assert model.state_dict().keys() - adapters == plain.state_dict().keys()
+    parts = lambda m: {k.split(".lora_")[0].split(".")[2] if k.startswith("encoders") else "decoder"  # noqa: E731
+                       for k in m.state_dict() if ".lora_" in k}
+    assert parts(default) == {"decoder", "projection"} and parts(tower) == {"clip"}
+    frozen = {n for n, p in tower.named_parameters() if not p.requires_grad}  # fusion "frozen": the head too
+    assert frozen == {n for n, _ in tower.named_parameters() if n.startswith(("decoder.", "encoders.vision.projection."))}
+    with pytest.raises(ValueError, match="decoder_trainable='full'"):
+        lora_llama4_scout_17b_16e(["q_proj"], decoder_trainable="full")
+    with pytest.raises(ValueError, match="fusion_trainable='adapters'"):
+        lora_llama4_scout_17b_16e(["q_proj"], fusion_trainable="adapters")

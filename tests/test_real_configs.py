@@ -53,7 +53,7 @@ def reference_parameters(size: str) -> int:
             return sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
     if size == "llama4/scout_17B":
         import test_llama4_parity as llama4
-        numbers = {b.__name__: n for b, n in llama4.PUBLISHED.items()}["llama4_scout_17b_16e"]
+        numbers = {b.__name__: n for b, n in llama4.PUBLISHED.items()}["llama4_scout_17b_16e_text"]
         with torch.device("meta"):
             model = transformers.Llama4ForCausalLM(transformers.Llama4TextConfig(**llama4.PUBLISHED_TEXT, **numbers))
         return sum(p.numel() for p in model.parameters())

@@ -73,11 +73,16 @@ class CheckpointError(ValueError):
     """
 
 
-# torchtune's model_type names -> the Hugging Face config.json model_type they load
+# torchtune's model_type names -> the Hugging Face config.json model_type they load;
+# LLAMA4_TEXT: the text decoder alone of a Llama 4 folder (torchtune's LLAMA4 reads a
+# multimodal one whole, below)
 MODEL_TYPES = {
-    name: family.hf_model_type
-    for family in MODEL_FAMILIES.values()
-    for name in family.tune_model_types
+    **{
+        name: family.hf_model_type
+        for family in MODEL_FAMILIES.values()
+        for name in family.tune_model_types
+    },
+    "LLAMA4_TEXT": "llama4_text",
 }
 
 
@@ -105,6 +110,7 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
 # %% ../../nbs/70_checkpointing.ipynb #whole0code
 # torchtune's model_type of a whole multimodal model -> (config.json's model_type,
 # Hugging Face -> ours, ours -> Hugging Face, the conversion arguments of a config)
+_LLAMA4_WHOLE = ("llama4", llama4_hf_to_tune, llama4_tune_to_hf, llama4_conversion_args)
 WHOLE_MODEL_TYPES = {
     "LLAMA3_VISION": (
         "mllama",
@@ -112,12 +118,8 @@ WHOLE_MODEL_TYPES = {
         llama3_vision_tune_to_hf,
         mllama_conversion_args,
     ),
-    "LLAMA4_VISION": (
-        "llama4",
-        llama4_hf_to_tune,
-        llama4_tune_to_hf,
-        llama4_conversion_args,
-    ),
+    "LLAMA4": _LLAMA4_WHOLE,  # on a llama4 config.json; on a llama4_text one: text
+    "LLAMA4_VISION": _LLAMA4_WHOLE,  # our older name
     "GEMMA3_VISION": (
         "gemma3",
         gemma3_vision_hf_to_tune,
@@ -423,6 +425,7 @@ class ModelType(str, Enum):
     LLAMA3_2 = "llama3_2"
     LLAMA3_VISION = "llama3_vision"
     LLAMA4 = "llama4"
+    LLAMA4_TEXT = "llama4_text"
     LLAMA4_VISION = "llama4_vision"
     MISTRAL = "mistral"
     PHI3_MINI = "phi3_mini"
@@ -557,9 +560,10 @@ class FullModelHFCheckpointer:
     weight files (default: the shards of model.safetensors.index.json, else
     model.safetensors); `model_type` is torchtune's name (LLAMA3, LLAMA3_2, QWEN2,
     MISTRAL, GEMMA2), checked against config.json (default: taken from it).
-    LLAMA3_VISION, LLAMA4_VISION and GEMMA3_VISION read and write a whole multimodal
-    model (`mllama`, `llama4`, `gemma3`); any other model type of a multimodal
-    checkpoint reads its text decoder only.
+    LLAMA3_VISION, LLAMA4 (LLAMA4_VISION) and GEMMA3_VISION read and write a whole
+    multimodal model (`mllama`, `llama4`, `gemma3`; LLAMA4 on a `llama4_text` folder:
+    that decoder); any other model type of a multimodal checkpoint (LLAMA4_TEXT,
+    GEMMA3) reads its text decoder only.
     """
 
     def __init__(
@@ -588,6 +592,9 @@ class FullModelHFCheckpointer:
         raw_config = read_hf_config(config_path)  # not JSON: named as such
         name = _model_type_name(model_type)
         self.whole = WHOLE_MODEL_TYPES.get(name)
+        if self.whole and name in MODEL_TYPES:  # LLAMA4: whole on a llama4 folder only
+            if raw_config.get("model_type") != self.whole[0]:
+                self.whole = None
         if self.whole is not None:  # the whole multimodal model, encoder included
             self.config, self.multimodal_type = raw_config, None
             self.hf_model_type = self._check_whole_type(raw_config, name)
@@ -888,9 +895,9 @@ def check_state_dict(
 def load_model_for_eval(
     checkpointer: FullModelHFCheckpointer, device: torch.device, dtype: torch.dtype
 ) -> nn.Module:
-    """The model that the checkpoint folder's config.json describes (a multimodal
-    checkpoint's text decoder, as the checkpointer reads it), with its weights, in
-    eval mode."""
+    """The model that the checkpoint folder's config.json describes (for a multimodal
+    checkpoint its text decoder or the whole model, as the checkpointer reads it),
+    with its weights, in eval mode."""
     model = build_from_hf_config(checkpointer.config)
     load_model_state_dict(model, checkpointer.load_checkpoint()["model"])
     return model.to(device=device, dtype=dtype).eval()

@@ -18,8 +18,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...modules.attention import MultiHeadAttention
-from ...modules.model_fusion import get_fusion_params, register_fusion_module
-from ...modules.peft import set_trainable_params
+from ...modules.model_fusion import (
+    DecoderCachesMixin,
+    register_fusion_module,
+    set_fusion_trainable,
+)
 from ...modules.rms_norm import GemmaRMSNorm
 from ...modules.transformer import TransformerDecoder, TransformerSelfAttentionLayer
 from .._families import text_decoder_config, text_decoder_weights
@@ -324,55 +327,8 @@ def gemma3_fused_embeddings(
         return h
     return h.masked_scatter(is_image[..., None], image_features.to(h.dtype))
 
-# %% ../../../nbs/27c_gemma3_vision.ipynb #g3v35a
-class _DecoderCaches:
-    "KV caches and output chunks, handed to `self.decoder` (the encoder needs none)."
-
-    def setup_caches(self, batch_size: int, dtype: torch.dtype, **kwargs: Any) -> None:
-        "KV caches for the decoder's layers."
-        self.decoder.setup_caches(batch_size, dtype, **kwargs)
-
-    def caches_are_setup(self) -> bool:
-        "Whether the decoder has KV caches."
-        return self.decoder.caches_are_setup()
-
-    def caches_are_enabled(self) -> bool:
-        "Whether the decoder's KV caches are in use."
-        return self.decoder.caches_are_enabled()
-
-    def reset_caches(self) -> None:
-        "Empty the decoder's KV caches."
-        self.decoder.reset_caches()
-
-    def remove_caches(self) -> None:
-        "Drop the decoder's KV caches."
-        self.decoder.remove_caches()
-
-    def set_num_output_chunks(self, num_output_chunks: int) -> None:
-        "Logits in this many chunks (see `TransformerDecoder`)."
-        self.decoder.set_num_output_chunks(num_output_chunks)
-
-    @property
-    def output(self) -> nn.Module:
-        "The decoder's output projection."
-        return self.decoder.output
-
-# %% ../../../nbs/27c_gemma3_vision.ipynb #g3v35c
-def _set_trainable(
-    model: nn.Module, decoder: bool, encoder: bool, fusion: bool
-) -> None:
-    "requires_grad on `model.decoder` / `model.encoder` / its fusion parameters."
-    trainable = set()
-    if encoder:
-        trainable |= {f"encoder.{n}" for n, _ in model.encoder.named_parameters()}
-    if decoder:
-        trainable |= {f"decoder.{n}" for n, _ in model.decoder.named_parameters()}
-    fusion_params = set(get_fusion_params(model))
-    trainable = trainable | fusion_params if fusion else trainable - fusion_params
-    set_trainable_params(model, trainable)
-
 # %% ../../../nbs/27c_gemma3_vision.ipynb #g3v36
-class Gemma3EarlyFusionModel(_DecoderCaches, nn.Module):
+class Gemma3EarlyFusionModel(DecoderCachesMixin, nn.Module):
     """Gemma 3 with its vision tower (transformers' `Gemma3ForConditionalGeneration`):
     `encoder` turns each image into embeddings that replace its placeholder tokens
     (`image_token_id`) in the `decoder`'s input, unscaled; the tokens of one image
@@ -391,7 +347,11 @@ class Gemma3EarlyFusionModel(_DecoderCaches, nn.Module):
         super().__init__()
         self.decoder, self.encoder = decoder, encoder
         self.image_token_id = image_token_id
-        _set_trainable(self, decoder_trainable, encoder_trainable, fusion_trainable)
+        set_fusion_trainable(
+            self,
+            {"decoder": decoder_trainable, "encoder": encoder_trainable},
+            fusion_trainable,
+        )
 
     def forward(
         self,
@@ -481,22 +441,15 @@ def gemma3_vision_from_hf_config(
 
 # %% ../../../nbs/27c_gemma3_vision.ipynb #g3v44
 def gemma3_vision_hf_to_tune(
-    state_dict: dict[str, torch.Tensor],
-    num_heads: int = 8,
-    num_kv_heads: int = 4,
-    dim: int = 2560,
-    head_dim: Optional[int] = 256,
-    rotary_dim: Optional[int] = None,
-    tie_word_embeddings: bool = True,
+    state_dict: dict[str, torch.Tensor], **text_dims: Any
 ) -> dict[str, torch.Tensor]:
     """A whole `Gemma3ForConditionalGeneration` checkpoint (the Hub's names or
     transformers 5's) as `Gemma3EarlyFusionModel`'s state dict: `decoder.*` (the text
-    decoder's usual conversion), `encoder.siglip.*`, `encoder.projection.*`."""
+    decoder's usual conversion), `encoder.siglip.*`, `encoder.projection.*`.
+    `text_dims`: the text decoder's dimensions, as `gemma3_conversion_args` gives them
+    (`hf_to_tune`'s arguments but the model type)."""
     text, rest = text_decoder_weights(state_dict)
-    decoder = hf_to_tune(
-        text, num_heads, num_kv_heads, dim, head_dim, model_type="gemma3_text",
-        rotary_dim=rotary_dim, tie_word_embeddings=tie_word_embeddings,
-    )  # fmt: skip
+    decoder = hf_to_tune(text, model_type="gemma3_text", **text_dims)
     converted = {f"decoder.{k}": v for k, v in decoder.items()}
     unknown = []
     for key in rest:
@@ -515,13 +468,7 @@ def gemma3_vision_hf_to_tune(
 
 # %% ../../../nbs/27c_gemma3_vision.ipynb #g3v46
 def gemma3_vision_tune_to_hf(
-    state_dict: dict[str, torch.Tensor],
-    num_heads: int = 8,
-    num_kv_heads: int = 4,
-    dim: int = 2560,
-    head_dim: Optional[int] = 256,
-    rotary_dim: Optional[int] = None,
-    tie_word_embeddings: bool = True,
+    state_dict: dict[str, torch.Tensor], **text_dims: Any
 ) -> dict[str, torch.Tensor]:
     """Inverse of `gemma3_vision_hf_to_tune`, in the Hub's names (language_model.model.,
     vision_tower.vision_model., multi_modal_projector.), which transformers 4 and 5
@@ -550,10 +497,7 @@ def gemma3_vision_tune_to_hf(
             f"{len(unknown)} key(s) are not weights of Gemma3EarlyFusionModel, e.g. "
             f"{unknown[:5]}."
         )
-    text = tune_to_hf(
-        decoder, num_heads, num_kv_heads, dim, head_dim, model_type="gemma3_text",
-        rotary_dim=rotary_dim, tie_word_embeddings=tie_word_embeddings,
-    )  # fmt: skip
+    text = tune_to_hf(decoder, model_type="gemma3_text", **text_dims)
     for key, value in text.items():
         if key == "lm_head.weight":  # an untied head
             hf["language_model.lm_head.weight"] = value
