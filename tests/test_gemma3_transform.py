@@ -296,8 +296,9 @@ def test_a_batch_equals_its_samples(folder, tmp_path):
     samples = [transform({"messages": m}) for m, _, _ in _conversations()[:2]]
     for sample in samples:
         sample["labels"] = sample["tokens"]
-    assert _collate_for(samples) is padded_collate_early_fusion
-    batch = padded_collate_early_fusion(samples)
+    batch = _collate_for(samples)(samples)  # what the recipes' data loading builds
+    early = padded_collate_early_fusion(samples)
+    assert torch.equal(batch["encoder_input"]["images"], early["encoder_input"]["images"])
     assert batch["encoder_input"]["images"].shape[0] == sum(len(x["encoder_input"]["images"]) for x in samples)
     with torch.no_grad():
         together = ours(batch["tokens"], encoder_input=batch["encoder_input"])

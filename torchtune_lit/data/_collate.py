@@ -32,20 +32,67 @@ def _right_pad(sequences: list[list[int]], value: int, length: int) -> torch.Ten
 
 
 def padded_collate_sft(
-    batch: list[dict[str, list[int]]],
+    batch: list[dict[str, Any]],
     padding_idx: int = 0,
     ignore_idx: int = CROSS_ENTROPY_IGNORE_IDX,
     pad_to_multiple_of: int = 1,
-) -> dict[str, torch.Tensor]:
+    stack_on_new_dim: bool = False,
+) -> dict[str, Any]:
     """Right-pad 'tokens' (with padding_idx) and 'labels' (with ignore_idx) to the
-    longest sample, rounded up to `pad_to_multiple_of`: [batch, seq] each.
-    """
+    longest sample, rounded up to `pad_to_multiple_of`: [batch, seq] each. An
+    'encoder_input' is batched leaf by leaf (`_batched_encoder_input`)."""
     length = max(len(x["tokens"]) for x in batch)
     length = _round_up(length, pad_to_multiple_of)
-    return {
+    out = {
         "tokens": _right_pad([x["tokens"] for x in batch], padding_idx, length),
         "labels": _right_pad([x["labels"] for x in batch], ignore_idx, length),
     }
+    inputs = [x.get("encoder_input") for x in batch]
+    if any(x is not None for x in inputs):
+        if stack_on_new_dim and any(x is None for x in inputs):
+            missing = [i for i, x in enumerate(inputs) if x is None]
+            raise ValueError(
+                f"samples {missing} have no encoder_input: stack_on_new_dim=True "
+                "needs one per sample (set it False to join what there is)."
+            )
+        inputs = [x for x in inputs if x is not None]
+        joined = _batched_encoder_input(inputs, stack_on_new_dim, "encoder_input")
+        if joined:
+            out["encoder_input"] = joined
+    return out
+
+# %% ../../nbs/45_collate.ipynb #c4145002
+def _batched_encoder_input(inputs: list[Any], new_dim: bool, where: str) -> Any:
+    """The samples' `encoder_input` values joined leaf by leaf (None when empty):
+    dicts key by key, lists of tensors item by item, tensors one per sample;
+    `torch.cat` along dim 0, or `torch.stack` on a new dim 0 with `new_dim`."""
+    first = inputs[0]
+    if isinstance(first, dict):
+        out = {}
+        for key in first:
+            missing = [i for i, x in enumerate(inputs) if key not in x]
+            if missing:
+                raise ValueError(f"{where}.{key} is missing from samples {missing}.")
+            value = _batched_encoder_input(
+                [x[key] for x in inputs], new_dim, f"{where}.{key}"
+            )
+            if value is not None:
+                out[key] = value
+        return out or None
+    if isinstance(first, torch.Tensor):
+        tensors = inputs
+    elif isinstance(first, (list, tuple)):
+        tensors = [t for x in inputs for t in x]
+    else:
+        tensors = [first]
+    if not all(isinstance(t, torch.Tensor) for t in tensors):
+        raise ValueError(
+            f"{where} holds a {type(first).__name__}: encoder inputs must be tensors, "
+            "lists of tensors, or dicts of them."
+        )
+    if not tensors:
+        return None
+    return torch.stack(tensors) if new_dim else torch.cat(tensors)
 
 # %% ../../nbs/45_collate.ipynb #a02da0a8
 def padded_collate_dpo(
@@ -104,6 +151,15 @@ def left_pad_sequence(
     return padded if batch_first else padded.T
 
 # %% ../../nbs/45_collate.ipynb #b45c0a02
+def _check_left_multiple(pad_direction: str, pad_to_multiple_of: int) -> None:
+    "Left padding is for generation prompts, where a rounded length has no use."
+    if pad_direction == "left" and pad_to_multiple_of > 1:
+        raise ValueError(
+            f"pad_to_multiple_of={pad_to_multiple_of} is not supported for "
+            "pad_direction='left'; use 1 when padding prompts for generation."
+        )
+
+
 def padded_collate(
     batch: list[dict[str, Any]],
     *,
@@ -116,6 +172,7 @@ def padded_collate(
     side, with `padding_idx` (one value, or one per key); stack the other keys."""
     if pad_direction not in ("left", "right"):
         raise ValueError(f"pad_direction={pad_direction!r}: use 'left' or 'right'.")
+    _check_left_multiple(pad_direction, pad_to_multiple_of)
     if not keys_to_pad:
         raise ValueError("keys_to_pad is empty: name the keys to pad, e.g. ['tokens'].")
     if isinstance(padding_idx, dict) and set(padding_idx) != set(keys_to_pad):
@@ -143,8 +200,9 @@ def padded_collate(
 
 # %% ../../nbs/45_collate.ipynb #b45d0a02
 def _vision(sample: dict[str, Any]) -> dict[str, Any]:
-    "The {'images', 'aspect_ratio'} of a sample (under encoder_input or its 'vision')."
-    encoder_input = sample["encoder_input"]
+    """The {'images', 'aspect_ratio'} of a sample (under encoder_input or its
+    'vision'); none for a text-only sample without an encoder_input."""
+    encoder_input = sample.get("encoder_input") or {"images": [], "aspect_ratio": []}
     return encoder_input.get("vision", encoder_input)
 
 
@@ -165,11 +223,7 @@ def _text_part(
             ignore_idx,
             pad_to_multiple_of,
         )
-    if pad_to_multiple_of > 1:
-        raise ValueError(
-            f"pad_to_multiple_of={pad_to_multiple_of} is not supported for "
-            "pad_direction='left'; use 1 when padding prompts for generation."
-        )
+    _check_left_multiple(pad_direction, pad_to_multiple_of)
     tokens = [torch.as_tensor(x["tokens"], dtype=torch.long) for x in batch]
     return {"tokens": left_pad_sequence(tokens, padding_idx)}
 
@@ -214,9 +268,9 @@ def padded_collate_tiled_images_and_mask(
             pixels[b, i, : image.shape[0]] = image
             ratios[b, i] = torch.as_tensor(ratio)
     vision = {"images": pixels, "aspect_ratio": ratios}
-    nested = "vision" in batch[0]["encoder_input"]
+    nested = any("vision" in (x.get("encoder_input") or {}) for x in batch)
     out["encoder_input"] = {"vision": vision} if nested else vision
-    if "encoder_mask" in batch[0]:
+    if any("encoder_mask" in x for x in batch):
         out["encoder_mask"] = _collate_masks(
             batch, visions, length, tiles, mask_count, pad_direction
         )
@@ -232,12 +286,12 @@ def _collate_masks(
     pad_direction: str,
 ) -> torch.Tensor:
     "Per-picture masks -> [B, length, count * tiles * tokens_per_tile], in order."
-    first = next(m for x in batch for m in x["encoder_mask"])
+    first = next(m for x in batch for m in x.get("encoder_mask", []))
     image = next(im for v in visions for im in v["images"])
     per_tile = first.shape[1] // image.shape[0]
     mask = first.new_zeros(len(batch), length, count, tiles * per_tile)
     for b, x in enumerate(batch):
-        for i, m in enumerate(x["encoder_mask"]):
+        for i, m in enumerate(x.get("encoder_mask", [])):
             start = length - m.shape[0] if pad_direction == "left" else 0
             mask[b, start : start + m.shape[0], i, : m.shape[1]] = m
     return mask.reshape(len(batch), length, -1)

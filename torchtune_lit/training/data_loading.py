@@ -59,17 +59,21 @@ def _parts(dataset: Any) -> list:
     return [dataset]
 
 
-def _carries_images(dataset: Any) -> bool:
-    "Whether the samples hold images for an encoder (a vision model's `encoder_input`)."
-    return len(dataset) > 0 and "encoder_input" in dataset[0]
+def _collate_by_content(batch: list[dict[str, Any]]) -> dict[str, Any]:
+    """One batch, collated by what its samples hold: tiled images and masks if any
+    sample has an `encoder_mask` (cross-attention, Llama 3.2 Vision), images joined
+    if any has an `encoder_input` (early fusion, Llama 4, Gemma 3), else text."""
+    if any("encoder_mask" in x for x in batch):
+        return data.padded_collate_tiled_images_and_mask(batch)
+    if any(x.get("encoder_input") for x in batch):
+        return data.padded_collate_early_fusion(batch)
+    return data.padded_collate_sft(batch)
 
 
 def _collate_for(dataset: Any, key: str = "dataset") -> Callable:
     """`padded_collate_packed` for packed data (a PackedDataset, or a ConcatDataset of
-    them), `padded_collate_tiled_images_and_mask` for samples with tiled images and
-    cross-attention masks (Llama 3.2 Vision), `padded_collate_early_fusion` for other
-    samples with images (Llama 4, Gemma 3), else
-    `padded_collate_sft`; a mix of packed and not is refused, naming the config key."""
+    them; a mix of packed and not is refused, naming the config key); else
+    `_collate_by_content`, which looks at each batch."""
     packed = [isinstance(part, PackedDataset) for part in _parts(dataset)]
     if any(p != packed[0] for p in packed):
         raise ValueError(
@@ -78,11 +82,7 @@ def _collate_for(dataset: Any, key: str = "dataset") -> Callable:
         )
     if packed[0]:
         return data.padded_collate_packed
-    if _carries_images(dataset):
-        if "encoder_mask" in dataset[0]:  # cross-attention: tiles and their mask
-            return data.padded_collate_tiled_images_and_mask
-        return data.padded_collate_early_fusion
-    return data.padded_collate_sft
+    return _collate_by_content
 
 # %% ../../nbs/71b_data_loading.ipynb #fb460225
 def build_dataloader(

@@ -4,7 +4,9 @@
 
 # %% auto #0
 __all__ = ['TokenPositionalEmbedding', 'TiledTokenPositionalEmbedding', 'TilePositionalEmbedding', 'clip_mlp',
-           'clip_vision_encoder', 'lora_clip_mlp', 'apply_clip_lora', 'lora_clip_vision_encoder', 'CLIPImageTransform']
+           'clip_vision_encoder', 'lora_clip_mlp', 'apply_clip_lora', 'lora_clip_vision_encoder', 'CLIPImageTransform',
+           'CLIPTextEncoder', 'CLIPTokenizer', 'QuickGELU', 'clip_text_encoder', 'clip_text_vit_large_patch14',
+           'clip_tokenizer']
 
 # %% ../../../nbs/18c_clip.ipynb #ee070aa0
 import math
@@ -440,6 +442,23 @@ def lora_clip_vision_encoder(
     )  # fmt: skip
 
 # %% ../../../nbs/18c_clip.ipynb #c1ip0002
+from torchtune_lit.models.clip._text import (  # noqa: E402
+    CLIPTextEncoder,
+    CLIPTokenizer,
+    QuickGELU,
+    clip_text_encoder,
+    clip_text_vit_large_patch14,
+    clip_tokenizer,
+)
+
 from ._transform import CLIPImageTransform  # noqa: E402
 
-_all_ = ["CLIPImageTransform"]
+_all_ = [
+    "CLIPImageTransform",
+    "CLIPTextEncoder",
+    "CLIPTokenizer",
+    "QuickGELU",
+    "clip_text_encoder",
+    "clip_text_vit_large_patch14",
+    "clip_tokenizer",
+]

@@ -103,8 +103,25 @@ class CLIPImageTransform:
         self.antialias = antialias
 
     def __call__(
-        self, sample: Mapping[str, Any], inference: bool = False
+        self,
+        sample: Optional[Mapping[str, Any]] = None,
+        inference: bool = False,
+        *,
+        image: Any = None,
+        **fields: Any,
     ) -> Mapping[str, Any]:
+        """`transform(sample)` updates the sample dict in place and returns it;
+        `transform(image=picture, **fields)` (the call of torchtune's inference
+        transform) returns a new dict: `fields` plus `image` and `aspect_ratio`."""
+        if sample is None:
+            if image is None:
+                raise ValueError("CLIPImageTransform: give a sample dict or image=.")
+            sample = {**fields, "image": image}
+        elif image is not None or fields:
+            raise ValueError(
+                "CLIPImageTransform: give a sample dict or keyword fields "
+                f"(image=...), not both (got keywords {['image', *fields]})."
+            )
         image = _to_tensor(sample["image"], self.dtype)
         canvas = get_canvas_best_fit(
             image, self.possible_resolutions, self.resize_to_max_canvas

@@ -27,7 +27,10 @@ from torchtune_lit.models.convert_weights import (
     permute_meta_to_hf,
 )
 from torchtune_lit.models.llama3_2_vision._encoder import (
+    Llama3VisionEncoder,
+    Llama3VisionProjectionHead,
     llama3_2_vision_encoder,
+    lora_llama3_2_vision_encoder,
     vision_encoder_hf_to_tune,
     vision_encoder_tune_to_hf,
 )
@@ -105,11 +108,21 @@ def _check_cross_layers(cross: Sequence[int], num_layers: int) -> None:
 
 
 def llama3_2_vision_decoder_from_hf_config(
-    text_config: dict[str, Any], encoder_max_seq_len: int = 128_080
+    text_config: dict[str, Any],
+    encoder_max_seq_len: int = 128_080,
+    *,
+    num_special_tokens: int = NUM_SPECIAL_TOKENS,
 ) -> TransformerDecoder:
     """Llama 3.2 Vision's decoder from an Mllama `text_config` dict: Llama 3.1 text
     layers, a gated cross-attention `FusionLayer` at each `cross_attention_layers`
-    entry, a `FusionEmbedding` with 8 extra rows."""
+    entry, a `FusionEmbedding` with `num_special_tokens` extra rows (8 in every
+    Mllama checkpoint; other counts build a model of one's own, which the key
+    conversions refuse)."""
+    if num_special_tokens < 1:
+        raise ValueError(
+            f"num_special_tokens={num_special_tokens}: the fusion embedding needs "
+            "at least one row (the image token)."
+        )
     cfg = text_config
     if cfg.get("tie_word_embeddings"):
         raise NotImplementedError(
@@ -138,7 +151,7 @@ def llama3_2_vision_decoder_from_hf_config(
         layers.append(layer if pending is None else FusionLayer(layer, pending))
         pending = None
     return TransformerDecoder(
-        tok_embeddings=FusionEmbedding(cfg["vocab_size"], NUM_SPECIAL_TOKENS, dim),
+        tok_embeddings=FusionEmbedding(cfg["vocab_size"], num_special_tokens, dim),
         layers=layers,
         max_seq_len=max_seq_len,
         num_heads=heads,
@@ -199,18 +212,15 @@ def llama3_2_vision_decoder(
 ) -> TransformerDecoder:
     """Llama 3.2 Vision's decoder (torchtune's arguments): `num_layers` Llama 3.1
     layers, a gated cross-attention layer before every `fusion_interval`-th."""
-    if num_special_tokens != NUM_SPECIAL_TOKENS:
-        raise ValueError(
-            f"num_special_tokens={num_special_tokens}: Llama 3.2 Vision checkpoints "
-            f"have {NUM_SPECIAL_TOKENS} rows after the text vocabulary."
-        )
     config = _text_config(
         vocab_size=vocab_size, num_layers=num_layers, fusion_interval=fusion_interval,
         num_heads=num_heads, num_kv_heads=num_kv_heads or num_heads,
         embed_dim=embed_dim, max_seq_len=max_seq_len, rope_base=rope_base,
         intermediate_dim=intermediate_dim or scale_hidden_dim_for_mlp(embed_dim),
     )  # fmt: skip
-    return llama3_2_vision_decoder_from_hf_config(config, encoder_max_seq_len)
+    return llama3_2_vision_decoder_from_hf_config(
+        config, encoder_max_seq_len, num_special_tokens=num_special_tokens
+    )
 
 # %% ../../../nbs/35_llama3_2_vision.ipynb #v12
 _SELF_KEYS = {
@@ -251,6 +261,17 @@ _OLD_PREFIXES = {
 }
 
 
+def _check_special_rows(rows: int, where: str) -> None:
+    "Mllama checkpoints hold exactly 8 rows after the text vocabulary."
+    if rows != NUM_SPECIAL_TOKENS:
+        raise CheckpointConversionError(
+            f"{where}: {rows} rows after the text vocabulary, where Mllama "
+            f"checkpoints have {NUM_SPECIAL_TOKENS}; build the decoder with "
+            f"num_special_tokens={NUM_SPECIAL_TOKENS} (and the checkpoint's "
+            "vocab_size) to convert it."
+        )
+
+
 def _current_name(key: str) -> str:
     "A Hub (transformers 4) key under its transformers 5 name."
     for old, new in _OLD_PREFIXES.items():
@@ -281,6 +302,7 @@ def vision_decoder_hf_to_tune(
         if key == "lm_head.weight":
             converted["output.weight"] = value
         elif key == _TEXT + "embed_tokens.weight":
+            _check_special_rows(value.shape[0] - vocab_size, f"{key} (vocab_size)")
             converted["tok_embeddings.weight"] = value[:vocab_size]
             converted["tok_embeddings.fusion_embedding.weight"] = value[vocab_size:]
         elif key == _TEXT + "norm.weight":
@@ -330,6 +352,7 @@ def vision_decoder_tune_to_hf(
             converted[_HUB_HEAD] = value
         elif key == "tok_embeddings.weight":
             extra = state_dict["tok_embeddings.fusion_embedding.weight"]
+            _check_special_rows(extra.shape[0], "tok_embeddings.fusion_embedding")
             converted[_HUB_TEXT + "embed_tokens.weight"] = torch.cat([value, extra])
         elif key == "norm.scale":
             converted[_HUB_TEXT + "norm.weight"] = value
