@@ -19,6 +19,8 @@ from torchtune_lit.rlhf import grpo_parts
 from torchtune_lit.rlhf.loss import GRPOLoss
 from torchtune_lit.rlhf.rewards import (
     AnswerMatchReward,
+    CopiedResultReward,
+    ToolResultReward,
     conversation_prompt_dataset,
     padded_collate_prompts,
 )
@@ -122,6 +124,36 @@ def test_tool_rollout_masks_the_tool_and_scores_the_answer(monkeypatch, tok, mod
     losses, _ = GRPOLoss()(logps, logps.detach(), sample["ref_logps"], sample["advantages"], roll.mask)
     losses.sum().backward()
     assert (logps.grad[~roll.mask] == 0).all() and (logps.grad[roll.mask] != 0).any()
+
+
+def test_episode_rewards_see_the_calls(monkeypatch, tok, model):
+    """Partial credit: one prompt, a group of four — the right call copied, the right call not copied, a wrong call
+    (a + 1) copied faithfully, no call and a wrong answer. By hand: 1 + 0.5 + 0.5, 0.5, 0.5, 0. The same rewards
+    in the greedy validation see the episodes too; in a rollout without tools they refuse."""
+    data = conversation_prompt_dataset(tok, source="json", data_files=_asset_path("tiny/tool_calls_eval.jsonl"))
+    batch = padded_collate_prompts([data[0]])
+    row = rows()[0]
+    arguments = row["messages"][2]["tool_calls"][0]["function"]["arguments"]
+    wrong = call_text(row).replace(f'"a": {arguments["a"]}', f'"a": {arguments["a"] + 1}')
+    wrong_result = str(int(row["answer"]) + 1)  # (a + 1) op b
+    first = [call_text(row), call_text(row), wrong, "12345"]
+    second = [row["answer"], "12345", wrong_result]
+    scripted(monkeypatch, tok, [first, second])
+    episode_rewards = [AnswerMatchReward(), ToolResultReward(), CopiedResultReward()]
+    tools = grpo_parts.resolve_tools("calculator")
+    sample = grpo_parts.tool_rollout(
+        model, deepcopy(model), tok, episode_rewards, batch, 4, 64, torch.Generator(), tools,
+        parse_llama3_tool_call, max_tool_turns=2)
+    assert sample["reward"].tolist() == [2.0, 0.5, 0.5, 0.0]
+    assert sample["scores"]["right_call"].tolist() == [0.5, 0.5, 0.0, 0.0]
+    assert sample["scores"]["copied"].tolist() == [0.5, 0.0, 0.5, 0.0]
+    scripted(monkeypatch, tok, [[call_text(row)], [row["answer"]]])
+    val = grpo_parts.grpo_validation(model, tok, episode_rewards, [batch], 64, tools=tools,
+                                     parse_call=parse_llama3_tool_call, max_tool_turns=2)
+    assert val == {"val_accuracy": 1.0, "val_reward": 2.0}
+    with pytest.raises(ValueError, match="'right_call' reads the episodes"):
+        grpo_parts.score_rollout(model, None, sample["rollout"], second + ["0"], [row["answer"]] * 4,
+                                 episode_rewards)
 
 
 def test_dynamic_sampling_parts():

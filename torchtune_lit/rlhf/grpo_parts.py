@@ -64,11 +64,15 @@ def score_rollout(
     reward_functions: list,
     keep_old_logps: bool = False,
     scale_rewards: str = "group",
+    episodes: Optional[list[list[Message]]] = None,
 ) -> dict:
     """Score the decoded `answers` of `sampled` against `gold`: rewards, advantages
     (`scale_rewards` as `group_advantages` takes it), the reference's (and with
-    `keep_old_logps` the sampling policy's) per-token log-probabilities."""
-    total, scores = rewards.score_completions(reward_functions, answers, gold)
+    `keep_old_logps` the sampling policy's) per-token log-probabilities. `episodes`:
+    each answer's messages before it, for reward functions that read them."""
+    total, scores = rewards.score_completions(
+        reward_functions, answers, gold, episodes
+    )
     with reference_model(model, reference) as ref:
         ref_logps = rlhf.completion_log_probs(ref, sampled.tokens)
     old_logps = None
@@ -190,14 +194,15 @@ def grpo_validation(
                 max_new_tokens, max_tool_turns, stop_early=stop_early,
             )  # fmt: skip
             answers = [e["answer"] for e in episodes]
+            messages = [e["messages"] for e in episodes]
         else:
             completions = generation.generate(
                 model, batch["tokens"], max_new_tokens, stop_tokens=stop,
                 stop_early=stop_early,
             )  # fmt: skip
-            answers = completion_answers(tokenizer, completions)
+            answers, messages = completion_answers(tokenizer, completions), None
         total, _ = rewards.score_completions(
-            reward_functions, answers, batch["answers"]
+            reward_functions, answers, batch["answers"], messages
         )
         sums["answers"] += len(answers)
         sums["val_reward"] += total.sum().item()
@@ -281,7 +286,8 @@ def tool_episodes(
 ) -> list[dict]:
     """Each conversation played with the tools in the loop: {"tokens", "policy" (True
     where the model wrote the token), "answer" (the last turn's text), "calls",
-    "errors"}; at most `max_tool_turns` calls run, then the next turn is the answer."""
+    "errors", "messages" (the conversation before the answer: prompt, calls, results)};
+    at most `max_tool_turns` calls run, then the next turn is the answer."""
     stop = [tokenizer.eot_id, tokenizer.eos_id]
     episodes = []
     for conversation in conversations:
@@ -371,6 +377,7 @@ def tool_rollout(
     sample = score_rollout(
         model, reference, sampled, [e["answer"] for e in episodes], gold,
         reward_functions, keep_old_logps, scale_rewards,
+        [e["messages"] for e in episodes],
     )  # fmt: skip
     sample["tool_calls"] = torch.tensor([e["calls"] for e in episodes])
     sample["tool_errors"] = torch.tensor([e["errors"] for e in episodes])
