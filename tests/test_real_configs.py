@@ -51,11 +51,14 @@ def reference_parameters(size: str) -> int:
         config = {b.__name__: c for b, c in test_moe_parity.PUBLISHED.items()}[MOE_REFERENCE[size]]
         with torch.device("meta"):
             return sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
-    if size == "llama4/scout_17B":
-        import test_llama4_parity as llama4
-        numbers = {b.__name__: n for b, n in llama4.PUBLISHED.items()}["llama4_scout_17b_16e_text"]
+    if size == "llama4/scout_17B":  # the whole model (text decoder, vision tower, projector), as torchtune's config
+        from test_llama4_vision_parity import PUBLISHED_VISION, SCOUT_TEXT
+
+        from torchtune_lit.models.llama4 import LLAMA4_PATCH_TOKEN
+        config = transformers.Llama4Config(vision_config=PUBLISHED_VISION, text_config=SCOUT_TEXT,
+                                           image_token_index=LLAMA4_PATCH_TOKEN)
         with torch.device("meta"):
-            model = transformers.Llama4ForCausalLM(transformers.Llama4TextConfig(**llama4.PUBLISHED_TEXT, **numbers))
+            model = transformers.Llama4ForConditionalGeneration(config)
         return sum(p.numel() for p in model.parameters())
     config_cls, numbers = PUBLISHED[REFERENCE[size]]
     with torch.device("meta"):

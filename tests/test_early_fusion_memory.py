@@ -1,0 +1,52 @@
+"""The memory planner on early-fusion models (chapter 76): Gemma 3 whole (`Gemma3EarlyFusionModel`) and Llama 4
+Scout whole (`EarlyFusionModel`), built on the meta device.
+
+An early-fusion model is its decoder over the sequence (image tokens among its positions) plus each encoder that
+trains; a frozen encoder keeps nothing. So with the encoder frozen the planner's activations and loss equal those of
+the decoder alone, exactly, and the weights are the decoder's plus the encoder's. A trained Gemma 3 tower, which the
+planner does not model, is refused with a ValueError naming it. The FSDP2 terms shard over `shard_model`'s units.
+"""
+import pytest
+import torch
+
+from torchtune_lit.models.gemma3 import gemma3_vision_4b
+from torchtune_lit.models.llama4 import lora_llama4_scout_17b_16e
+from torchtune_lit.training.memory import estimate_training_memory
+from torchtune_lit.training.sharding import fsdp_units
+
+def _lora_only(model):
+    for name, p in model.named_parameters():
+        p.requires_grad_(".lora_" in name)
+    return model
+
+
+@pytest.mark.parametrize("build", ["gemma3_4b", "llama4_scout"])
+def test_frozen_encoder_adds_only_its_weights(build):
+    with torch.device("meta"):
+        if build == "gemma3_4b":
+            model = gemma3_vision_4b(decoder_trainable=True, encoder_trainable=False, fusion_trainable=False)
+            encoder = model.encoder
+        else:
+            model = _lora_only(lora_llama4_scout_17b_16e(["q_proj", "v_proj", "output_proj"], apply_lora_to_mlp=True,
+                                                         lora_rank=16, lora_alpha=32))
+            encoder = model.encoders["vision"]
+    assert not any(p.requires_grad for p in encoder.parameters())
+    for checkpointing in (False, True):
+        whole = estimate_training_memory(model, 2, 1024, activation_checkpointing=checkpointing,
+                                         images_per_sample=2, device=torch.device("cuda"))
+        alone = estimate_training_memory(model.decoder, 2, 1024, activation_checkpointing=checkpointing,
+                                         device=torch.device("cuda"))
+        assert (whole.activations, whole.loss, whole.recomputed) == (alone.activations, alone.loss, alone.recomputed)
+        encoder_bytes = 2 * sum(p.numel() for p in encoder.parameters())
+        assert whole.weights == alone.weights + encoder_bytes
+    sharded = estimate_training_memory(model, 2, 1024, world_size=8, device=torch.device("cuda"))
+    assert sharded.total < whole.total
+    assert len(fsdp_units(model)) == len(model.decoder.layers) + len(encoder.clip.layers if build != "gemma3_4b"
+                                                                     else encoder.siglip.layers)
+
+
+def test_trained_gemma3_tower_is_refused_by_name():
+    with torch.device("meta"):
+        model = gemma3_vision_4b(encoder_trainable=True)
+    with pytest.raises(ValueError, match="Gemma3VisionEncoder trains"):
+        estimate_training_memory(model, 1, 512)
