@@ -50,3 +50,18 @@ def test_trained_gemma3_tower_is_refused_by_name():
         model = gemma3_vision_4b(encoder_trainable=True)
     with pytest.raises(ValueError, match="Gemma3VisionEncoder trains"):
         estimate_training_memory(model, 1, 512)
+
+
+def test_preflight_reads_llama4_whole_as_a_vision_model():
+    """The preflight's memory finding on Llama 4 Scout whole (which has `encoders`, not `encoder`): the vision wording
+    with context parallelism off, and a warning instead of the planner's ValueError with it on."""
+    from torchtune_lit.training.preflight import RunPlan, memory_findings
+
+    with torch.device("meta"):
+        model = _lora_only(lora_llama4_scout_17b_16e(["q_proj", "v_proj"], lora_rank=8, lora_alpha=16))
+    plan = RunPlan(batch_size=1, dtype=torch.bfloat16, device=torch.device("cpu"))
+    (finding,) = memory_findings(plan, model, max_tokens_per_sample=512)
+    assert "one image a sample" in finding["message"]
+    plan.context_parallel_dim = 2
+    (finding,) = memory_findings(plan, model, max_tokens_per_sample=512)
+    assert finding["level"] == "warn" and "no memory prediction" in finding["message"]

@@ -442,7 +442,9 @@ def memory_findings(
     run in one batch).
     """
     seq_len = seq_len or max_tokens_per_sample
-    if hasattr(model, "encoder") and plan.context_parallel_dim > 1:
+    # a vision model: DeepFusionModel and Gemma 3's have `encoder`, Llama 4's `encoders`
+    fused = hasattr(model, "encoder") or hasattr(model, "encoders")
+    if fused and plan.context_parallel_dim > 1:
         return [_finding(
             "warn", "no memory prediction: context parallelism with a fused vision "
             "model is outside the planner; measure one step instead (tunelit run ... "
@@ -463,9 +465,7 @@ def memory_findings(
     rows = plan.batch_size * sequences_per_sample
     message = f"{estimate.summary()} (batch {rows} x {seq_len} tokens"
     # a fused vision model: the encoder on one image a sample, every tile filled
-    message += ", one image a sample with all its tiles)" if hasattr(
-        model, "encoder"
-    ) else ")"
+    message += ", one image a sample with all its tiles)" if fused else ")"
     if plan.world_size > 1:
         message += (
             "; per process, with weights, gradients and optimizer states sharded "
