@@ -11,8 +11,8 @@ import torch
 
 from torchtune_lit.models.gemma3 import gemma3_vision_4b
 from torchtune_lit.models.llama4 import lora_llama4_scout_17b_16e
+from torchtune_lit.modules.common_utils import fsdp_units
 from torchtune_lit.training.memory import estimate_training_memory
-from torchtune_lit.training.sharding import fsdp_units
 
 def _lora_only(model):
     for name, p in model.named_parameters():

@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['disable_kv_cache', 'delete_kv_caches', 'local_kv_cache', 'slice_str_to_array',
-           'reparametrize_as_dtype_state_dict_post_hook']
+           'reparametrize_as_dtype_state_dict_post_hook', 'fsdp_units']
 
 # %% ../../nbs/17_common_utils.ipynb #f42c28a9
 import contextlib
@@ -121,3 +121,16 @@ def reparametrize_as_dtype_state_dict_post_hook(
         if is_nf4(value):
             dense = value.get_original_weight().to(dtype)
             state_dict[key] = dense.cpu() if offload_to_cpu else dense
+
+# %% ../../nbs/17_common_utils.ipynb #cu17u2
+def fsdp_units(model: nn.Module) -> list[nn.Module]:
+    """The modules FSDP2 shards one by one (and the memory planner gathers one at a
+    time): every member of an `nn.ModuleList` named `layers` anywhere in `model`, in
+    `named_modules` order (a decoder's layers; a fused model's decoder and encoder
+    layers)."""
+    return [
+        layer
+        for name, module in model.named_modules()
+        if isinstance(module, nn.ModuleList) and name.rpartition(".")[2] == "layers"
+        for layer in module
+    ]

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['memory', 'ExpertLoad', 'expert_load', 'OffloadActivations', 'compile_loss', 'compile_model',
            'estimate_training_memory', 'release_memory_between_layers', 'set_activation_checkpointing',
-           'metric_logging', 'get_memory_stats', 'preflight', 'device_mesh', 'fsdp_units', 'gather_full_state_dict',
+           'metric_logging', 'get_memory_stats', 'preflight', 'device_mesh', 'gather_full_state_dict',
            'init_distributed', 'shard_model', 'CheckpointError', 'FullModelHFCheckpointer', 'load_lora_model',
            'load_model', 'load_model_for_eval', 'load_model_state_dict', 'StepReporter', 'save_final_sharded',
            'load_sharded_lora_model', 'load_sharded_model', 'save_step_checkpoint', 'build_optimizer', 'step_weights',
@@ -118,7 +118,6 @@ from torchtune_lit.training.run_setup import (
 )
 from torchtune_lit.training.sharding import (
            device_mesh,
-           fsdp_units,
            gather_full_state_dict,
            init_distributed,
            shard_model,
@@ -158,7 +157,6 @@ _all_ = [
     "get_memory_stats",
     "preflight",
     "device_mesh",
-    "fsdp_units",
     "gather_full_state_dict",
     "init_distributed",
     "shard_model",

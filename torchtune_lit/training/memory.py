@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..models.gemma3 import Gemma3EarlyFusionModel
 from ..modules.attention import sdpa_compute_dtype
+from ..modules.common_utils import fsdp_units
 from ..modules.loss import CEWithChunkedOutputLoss, LinearCrossEntropyLoss
 from ..modules.low_precision.nf4 import FrozenNF4Linear, is_nf4
 from ..modules.model_fusion import EarlyFusionModel
@@ -409,18 +410,6 @@ def _check_parallel_sizes(
         )
 
 
-def _layer_groups(model: nn.Module) -> list[nn.Module]:
-    """The layers FSDP2 shards one group each, by `shard_model`'s rule (chapter 73's
-    `fsdp_units`): every member of an `nn.ModuleList` named `layers`, wherever it sits
-    (a fused model's encoder layers too)."""
-    return [
-        layer
-        for name, module in model.named_modules()
-        if isinstance(module, nn.ModuleList) and name.rpartition(".")[2] == "layers"
-        for layer in module
-    ]
-
-
 def _shard_terms(
     estimate: MemoryEstimate, model: nn.Module, b: int, world_size: int, offload: bool
 ) -> None:
@@ -429,7 +418,7 @@ def _shard_terms(
     `offload`, the shards, their gradients and the states in `host` memory instead."""
     n = world_size
     weights, _ = _parameter_bytes(model, b)
-    layers = [_parameter_bytes(layer, b) for layer in _layer_groups(model)]
+    layers = [_parameter_bytes(layer, b) for layer in fsdp_units(model)]
     root = weights - sum(w for w, _ in layers)
     gathered = root + 2 * max(w for w, _ in layers)
     layer_gradient = max(t for _, t in layers) * b
