@@ -3,8 +3,10 @@ Scout whole (`EarlyFusionModel`), built on the meta device.
 
 An early-fusion model is its decoder over the sequence (image tokens among its positions) plus each encoder that
 trains; a frozen encoder keeps nothing. So with the encoder frozen the planner's activations and loss equal those of
-the decoder alone, exactly, and the weights are the decoder's plus the encoder's. A trained Gemma 3 tower, which the
-planner does not model, is refused with a ValueError naming it. The FSDP2 terms shard over `shard_model`'s units.
+the decoder alone, exactly, and the weights are the decoder's plus the encoder's. Gemma 3's default (the projector
+trains, the tower frozen) adds only the projector's terms over the 256 pooled tokens of each image; an encoder of a
+kind the planner does not model is refused with a ValueError naming it. The FSDP2 terms shard over `shard_model`'s
+units.
 """
 import pytest
 import torch
@@ -45,10 +47,24 @@ def test_frozen_encoder_adds_only_its_weights(build):
                                                                      else encoder.siglip.layers)
 
 
-def test_trained_gemma3_tower_is_refused_by_name():
+def test_gemma3_projector_adds_its_pooled_tokens_only():
+    """The projector trains, the tower is frozen: autograd records from the projector's RMSNorm on, so per pooled
+    token (256 an image) the norm keeps its fp32 input and normalised value (4 + 4 bytes x 1,152) and the linear
+    its bf16 input (2 x 1,152): 256 x 11,520 bytes an image more than with the projector frozen."""
     with torch.device("meta"):
-        model = gemma3_vision_4b(encoder_trainable=True)
-    with pytest.raises(ValueError, match="Gemma3VisionEncoder trains"):
+        projector = gemma3_vision_4b(decoder_trainable=True, encoder_trainable=False, fusion_trainable=True)
+        frozen = gemma3_vision_4b(decoder_trainable=True, encoder_trainable=False, fusion_trainable=False)
+    args = dict(images_per_sample=1, device=torch.device("cuda"))
+    with_projector = estimate_training_memory(projector, 2, 1024, **args)
+    without = estimate_training_memory(frozen, 2, 1024, **args)
+    assert with_projector.activations - without.activations == 2 * 256 * (8 + 2) * 1152
+
+
+def test_encoder_of_unknown_kind_is_refused_by_name():
+    with torch.device("meta"):
+        model = gemma3_vision_4b()
+        model.encoder = torch.nn.Linear(8, 8)  # trains, and has neither `clip` nor `siglip`
+    with pytest.raises(ValueError, match="Linear trains"):
         estimate_training_memory(model, 1, 512)
 
 

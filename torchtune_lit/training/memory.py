@@ -26,6 +26,7 @@ from ..modules.common_utils import fsdp_units
 from ..modules.loss import CEWithChunkedOutputLoss, LinearCrossEntropyLoss
 from ..modules.low_precision.nf4 import FrozenNF4Linear, is_nf4
 from ..modules.model_fusion import EarlyFusionModel
+from ..modules.tanh_gate import TanhGate
 from ..modules.transformer import TransformerSelfAttentionLayer
 
 # %% ../../nbs/76_memory.ipynb #99b9d2c1
@@ -73,9 +74,33 @@ def _mlp_bytes(mlp: nn.Module, b: int, d: int) -> tuple[int, tuple]:
 
 
 def _norm_bytes(module: nn.Module, output_kept: bool, b: int) -> int:
-    "fp32 input (+ its normalised value when the gain trains) and a kept output."
+    """An RMSNorm's fp32 input (+ its normalised value when the gain trains), or a
+    LayerNorm's input with its fp32 mean and rstd; and a kept output."""
     d = _width(module)
-    return 4 * d + (4 * d if _trains(module) else 0) + (b * d if output_kept else 0)
+    if isinstance(module, nn.LayerNorm):
+        kept = b * d + 8
+    else:
+        kept = 4 * d + (4 * d if _trains(module) else 0)
+    return kept + (b * d if output_kept else 0)
+
+
+def _head_norm_bytes(norm: Optional[Callable], width: int, b: int) -> int:
+    """q's or k's norm over each head (`width`: all heads): an RMSNorm module's fp32
+    input (and its normalised value when the gain trains); a weightless function
+    (Llama 4's `F.rms_norm`) its input as it came; 0 without one."""
+    if norm is None:
+        return 0
+    if not isinstance(norm, nn.Module):
+        return b * width
+    return 4 * width + (4 * width if _trains(norm) else 0)
+
+
+def _output_norm_bytes(module: nn.Module, d: int, b: int) -> int:
+    """A norm on a half's output before the residual (Gemma's `sa_scale` and
+    `mlp_scale`) as any RMSNorm; a gate or an Identity there adds nothing here."""
+    if isinstance(module, (nn.Identity, TanhGate)):
+        return 0
+    return _head_norm_bytes(module, d, b)
 
 
 def layer_activation_bytes_per_token(
@@ -98,6 +123,10 @@ def layer_activation_bytes_per_token(
     # SDPA: q, output, k, v (kv width), log-sum-exp
     total += b_attn * (2 * h + 2 * g) + 4 * attn.num_heads
     total += _norm_bytes(layer.mlp_norm, _trains(w1) or _trains(w3), b) + mlp
+    total += _head_norm_bytes(getattr(attn, "q_norm", None), h, b)
+    total += _head_norm_bytes(getattr(attn, "k_norm", None), g, b)
+    total += _output_norm_bytes(layer.sa_scale, d, b)
+    total += _output_norm_bytes(layer.mlp_scale, d, b)
     adapted = (*qkv, attn.output_proj, w1, w2, w3)
     return total + sum(b * _lora_rank(m) for m in adapted if m is not None)
 
@@ -812,12 +841,8 @@ def cross_attention_bytes_per_token(
     g = attn.num_kv_heads * attn.head_dim
     mlp, (w1, w2, w3) = _mlp_bytes(layer.mlp, b, d)
 
-    def per_head_norm(norm: Optional[nn.Module], width: int) -> int:
-        "q's or k's RMSNorm over each head: fp32 input (and output if it trains)."
-        return 0 if norm is None else 4 * width + (4 * width if _trains(norm) else 0)
-
     text = _norm_bytes(layer.ca_norm, _trains(attn.q_proj), b)
-    text += per_head_norm(getattr(attn, "q_norm", None), h)
+    text += _head_norm_bytes(getattr(attn, "q_norm", None), h, b)
     text += b_attn * 2 * h + 4 * attn.num_heads  # q, output, log-sum-exp
     text += _gate_bytes(layer.ca_scale, b, d) + _gate_bytes(layer.mlp_scale, b, d)
     text += _norm_bytes(layer.mlp_norm, _trains(w1) or _trains(w3), b) + mlp
@@ -825,7 +850,7 @@ def cross_attention_bytes_per_token(
         b * _lora_rank(m) for m in (attn.q_proj, attn.output_proj, w1, w2, w3)
         if m is not None
     )  # fmt: skip
-    encoder = b_attn * 2 * g + per_head_norm(getattr(attn, "k_norm", None), g)
+    encoder = b_attn * 2 * g + _head_norm_bytes(getattr(attn, "k_norm", None), g, b)
     encoder += b * (_lora_rank(attn.k_proj) + _lora_rank(attn.v_proj))
     if _trains(attn.k_proj) or _trains(attn.v_proj):  # their input, the encoder's
         encoder += b * d  # output (width d)
@@ -983,6 +1008,48 @@ def _fused_activations(
     return tokens, activations, recomputed, d, decoder.output.weight.shape[0]
 
 # %% ../../nbs/76_memory.ipynb #m76ef02
+def _siglip_terms(
+    encoder: nn.Module, images: int, b: int, dtype: torch.dtype, device,
+    checkpointing: bool,
+) -> tuple[int, int, int]:
+    """(tokens, saved bytes, bytes of the layer recomputed) of `images` images through
+    Gemma 3's vision encoder (`siglip` and `projection`): SigLIP's layers over every
+    patch from the first one that trains on, its final LayerNorm and the average pool
+    when autograd records there, and the projector's RMSNorm and linear over the pooled
+    tokens; nothing when it is frozen."""
+    siglip, projection = encoder.siglip, encoder.projection
+    length = siglip.patches_per_side**2  # patches an image; attention runs over them
+    tokens, pooled = images * length, images * projection.tokens_per_side**2
+    if not _trains(encoder):
+        return tokens, 0, 0
+    recording = _trains(siglip.conv) or _trains(siglip.pos_embedding)
+    layers = []
+    for layer in siglip.layers:
+        recording = recording or _trains(layer)
+        layers += [layer] if recording else []
+    per_layer = [
+        layer_activation_bytes_per_token(
+            layer, b, _attention_bytes(layer, dtype, device, length)
+        )
+        for layer in layers
+    ]
+    width = _width(siglip.ln_post)
+    extra = b * siglip.conv.weight[0].numel() if _trains(siglip.conv) else 0
+    recording = recording or _trains(siglip.ln_post)
+    if recording:  # the LayerNorm's input (with its fp32 mean and rstd), the pool's
+        extra += 2 * b * width + 8
+    recording = recording or _trains(projection.norm)
+    # the projector on the pooled tokens: the RMSNorm's fp32 input (and its
+    # normalised value when its gain trains), the linear's input when it trains
+    head = _norm_bytes(projection.norm, False, b) if recording else 0
+    head += b * width if _trains(projection.output) else 0
+    if not checkpointing or not layers:
+        return tokens, tokens * (sum(per_layer) + extra) + pooled * head, 0
+    saved = tokens * (len(layers) * b * width + extra) + pooled * head
+    widest = max(mlp_width(layer.mlp) for layer in layers)
+    return tokens, saved, tokens * (max(per_layer) + 3 * b * widest)
+
+
 def _early_fusion_activations(
     model: nn.Module, batch_size: int, seq_len: int, b: int, dtype: torch.dtype,
     device: Optional[torch.device], checkpointing: bool, offloading: bool,
@@ -1001,15 +1068,20 @@ def _early_fusion_activations(
     for name, encoder in dict(encoders).items():
         if not _trains(encoder):  # frozen: autograd records nothing in it
             continue
-        if not hasattr(encoder, "clip"):
+        if hasattr(encoder, "clip"):
+            terms = _encoder_terms  # Llama 4: CLIP tiles and the projection MLP
+        elif hasattr(encoder, "siglip"):
+            terms = _siglip_terms  # Gemma 3: SigLIP patches and the projector
+        else:
             raise ValueError(
                 f"{type(encoder).__name__} trains, and the planner models a trained "
-                "encoder for Llama 4's (clip + projection) only: freeze it "
-                "(encoder_trainable and fusion_trainable false) or measure one step "
-                "(tunelit run ... max_steps_per_epoch=1 prints the peak)."
+                "encoder for Llama 4's (clip + projection) and Gemma 3's (siglip + "
+                "projection) only: freeze it (encoder_trainable and fusion_trainable "
+                "false) or measure one step (tunelit run ... max_steps_per_epoch=1 "
+                "prints the peak)."
             )
         images = batch_size * images_per_sample
-        enc_tokens, saved, rebuilt = _encoder_terms(
+        enc_tokens, saved, rebuilt = terms(
             encoder, images, b, dtype, device, checkpointing
         )
         activations, recomputed = activations + saved, max(recomputed, rebuilt)
