@@ -5,7 +5,8 @@
 # %% auto #0
 __all__ = ['KEY_MAPS', 'PEFT_MODULE_NAMES', 'permute_hf_to_meta', 'permute_meta_to_hf', 'CheckpointConversionError',
            'split_fused', 'fuse_split', 'stack_experts', 'unstack_experts', 'hf_to_tune', 'tune_to_hf',
-           'head_and_rotary_dims', 'hf_conversion_dims', 'tune_to_peft_adapter_weights', 'tune_to_peft_adapter_config']
+           'head_and_rotary_dims', 'hf_conversion_dims', 'tune_to_peft_adapter_weights', 'tune_to_peft_adapter_config',
+           'tune_to_peft_whole_adapter_weights', 'peft_target_modules']
 
 # %% ../../nbs/30_convert_weights.ipynb #11144b44
 import re
@@ -436,3 +437,72 @@ def tune_to_peft_adapter_config(
         "modules_to_save": None,
         "base_model_name_or_path": base_model_name_or_path,
     }
+
+# %% ../../nbs/30_convert_weights.ipynb #wpa00002
+from typing import Callable
+
+def _converted_alone(
+    to_hf: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
+    key: str,
+    value: torch.Tensor,
+) -> tuple[Optional[str], Any]:
+    "(the one Hugging Face key, tensor) `to_hf({key: value})` gives, or (None, why)."
+    try:
+        converted = to_hf({key: value})
+    except (CheckpointConversionError, ValueError, KeyError) as e:
+        return None, f"the conversion has no name for it ({str(e).splitlines()[0]})"
+    if len(converted) != 1:
+        return None, f"the conversion stores it as {len(converted)} tensors"
+    ((theirs, tensor),) = converted.items()
+    if not theirs.endswith(".weight") or tensor.shape != value.shape:
+        return None, (
+            f"the checkpoint stores it as {theirs} {tuple(tensor.shape)}, not as a "
+            "Linear's weight of the same shape"
+        )
+    return theirs, tensor
+
+
+def tune_to_peft_whole_adapter_weights(
+    state_dict: dict[str, torch.Tensor],
+    to_hf: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
+    module_name: Optional[Callable[[str], str]] = None,
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Our adapter of any model in PEFT's keys, through the model's own weight
+    conversion `to_hf` (ours -> Hugging Face): each `lora_b` (and DoRA magnitude) is
+    converted as the weight it adapts — its name, its row order — and `lora_a` takes
+    the name; `module_name` turns a checkpoint name into transformers' module path.
+    Returns (PEFT's tensors, {our module: why} for the modules with no PEFT form)."""
+    parts: dict[str, list[str]] = {}
+    for key in state_dict:
+        match = _ADAPTER_KEY.match(key)
+        if match is None:
+            raise CheckpointConversionError(f"{key!r} is not a LoRA or DoRA key.")
+        parts.setdefault(match.group(1), []).append(match.group(2))
+    converted, no_form = {}, {}
+    for module, suffixes in parts.items():
+        if {"lora_a.weight", "lora_b.weight"} - set(suffixes):
+            raise CheckpointConversionError(f"{module} lacks lora_a or lora_b.")
+        theirs, lora_b = _converted_alone(
+            to_hf, f"{module}.weight", state_dict[f"{module}.lora_b.weight"]
+        )
+        if theirs is None:
+            no_form[module] = lora_b  # the reason
+            continue
+        path = (module_name or (lambda name: name))(theirs)[: -len(".weight")]
+        prefix = f"base_model.model.{path}."
+        converted[prefix + "lora_A.weight"] = state_dict[f"{module}.lora_a.weight"]
+        converted[prefix + "lora_B.weight"] = lora_b
+        if "magnitude" in suffixes:
+            magnitude = state_dict[f"{module}.magnitude"]
+            converted[prefix + "lora_magnitude_vector"] = _converted_alone(
+                to_hf, f"{module}.weight", magnitude
+            )[1]
+    return converted, no_form
+
+
+def peft_target_modules(peft_weights: dict[str, torch.Tensor]) -> list[str]:
+    """The full module paths that carry adapters in PEFT's `peft_weights`: as
+    `target_modules`, PEFT adds adapters to exactly these modules (a short name such as
+    `q_proj` would also hit a vision tower's q_proj that has none)."""
+    prefix = "base_model.model."
+    return sorted({k.removeprefix(prefix).rsplit(".lora_", 1)[0] for k in peft_weights})

@@ -140,6 +140,7 @@ from torchtune_lit.models.gemma3._vision import (  # noqa: E402
     SiglipVisionEncoder,
     gemma3_conversion_args,
     gemma3_image_mask,
+    gemma3_module_name,
     gemma3_vision_4b,
     gemma3_vision_12b,
     gemma3_vision_27b,

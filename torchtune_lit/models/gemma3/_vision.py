@@ -6,8 +6,8 @@
 __all__ = ['GEMMA3_IMAGE_TOKEN_ID', 'siglip_layer', 'SiglipVisionEncoder', 'Gemma3MultiModalProjector', 'Gemma3VisionEncoder',
            'gemma3_vision_encoder', 'image_block_ids', 'gemma3_image_mask', 'gemma3_fused_embeddings',
            'Gemma3EarlyFusionModel', 'gemma3_vision_from_hf_config', 'gemma3_vision_hf_to_tune',
-           'gemma3_vision_tune_to_hf', 'gemma3_conversion_args', 'gemma3_vision_config', 'gemma3_vision_4b',
-           'gemma3_vision_12b', 'gemma3_vision_27b']
+           'gemma3_vision_tune_to_hf', 'gemma3_conversion_args', 'gemma3_module_name', 'gemma3_vision_config',
+           'gemma3_vision_4b', 'gemma3_vision_12b', 'gemma3_vision_27b']
 
 # %% ../../../nbs/27c_gemma3_vision.ipynb #g3v06
 import re
@@ -513,6 +513,25 @@ def gemma3_conversion_args(config: dict[str, Any]) -> dict[str, Any]:
     dims = hf_conversion_dims(text)
     del dims["model_type"]
     return {**dims, "tie_word_embeddings": text.get("tie_word_embeddings", True)}
+
+# %% ../../../nbs/27c_gemma3_vision.ipynb #wpg00002
+_MODULE_PREFIXES = (  # a checkpoint's prefix -> transformers 5's module path
+    ("language_model.model.", "model.language_model."),
+    ("language_model.lm_head.", "lm_head."),
+    ("vision_tower.vision_model.", "model.vision_tower."),
+    ("model.vision_tower.vision_model.", "model.vision_tower."),
+    ("vision_tower.", "model.vision_tower."),
+    ("multi_modal_projector.", "model.multi_modal_projector."),
+)
+
+
+def gemma3_module_name(key: str) -> str:
+    """The path, in transformers 5's `Gemma3ForConditionalGeneration`, of a checkpoint
+    key of either naming (`vision_tower.vision_model.X` -> `model.vision_tower.X`)."""
+    for old, new in _MODULE_PREFIXES:
+        if key.startswith(old):
+            return new + key[len(old) :]
+    return key
 
 # %% ../../../nbs/27c_gemma3_vision.ipynb #g3v58
 def gemma3_vision_config(size: str) -> dict[str, Any]:

@@ -6,9 +6,10 @@
 __all__ = ['NUM_SPECIAL_TOKENS', 'ENCODER_MAX_IMAGES', 'LLAMA3_2_VISION_SIZES', 'llama3_2_vision_decoder_from_hf_config',
            'llama3_2_vision_decoder', 'vision_decoder_hf_to_tune', 'vision_decoder_tune_to_hf',
            'llama3_2_vision_from_hf_config', 'llama3_vision_hf_to_tune', 'llama3_vision_tune_to_hf',
-           'mllama_conversion_args', 'llama3_2_vision_config', 'llama3_2_vision_11b', 'llama3_2_vision_90b',
-           'lora_llama3_2_vision_decoder', 'lora_llama3_2_vision_11b', 'lora_llama3_2_vision_90b',
-           'qlora_llama3_2_vision_11b', 'qlora_llama3_2_vision_90b']
+           'mllama_conversion_args', 'mllama_module_name', 'llama3_2_vision_config', 'llama3_2_vision_11b',
+           'llama3_2_vision_90b', 'lora_llama3_2_vision_decoder', 'lora_llama3_2_vision_from_hf_config',
+           'lora_llama3_2_vision_11b', 'lora_llama3_2_vision_90b', 'qlora_llama3_2_vision_11b',
+           'qlora_llama3_2_vision_90b']
 
 # %% ../../../nbs/35_llama3_2_vision.ipynb #v04
 from typing import Any, Optional, Sequence, Union
@@ -513,6 +514,12 @@ def mllama_conversion_args(config: dict[str, Any]) -> dict[str, Any]:
         supported_aspect_ratios=[tuple(r) for r in vision["supported_aspect_ratios"]],
     )
 
+# %% ../../../nbs/35_llama3_2_vision.ipynb #wpm00002
+def mllama_module_name(key: str) -> str:
+    """The path, in transformers 5's `MllamaForConditionalGeneration`, of a checkpoint
+    key of either naming (`language_model.model.X` -> `model.language_model.X`)."""
+    return _current_name(key)
+
 # %% ../../../nbs/35_llama3_2_vision.ipynb #w06
 # meta-llama/Llama-3.2-11B-Vision's and -90B-Vision's config.json (text_config)
 LLAMA3_2_VISION_SIZES = {
@@ -700,18 +707,28 @@ def lora_llama3_2_vision_decoder(
 _TRAINABLE = ("frozen", "lora", "full")
 
 
-def _lora_llama3_2_vision(
-    size: str,
+def lora_llama3_2_vision_from_hf_config(
+    config: Union[str, dict[str, Any]],
     lora_attn_modules: Sequence[str],
-    decoder_trainable: str,
-    encoder_trainable: str,
-    fusion_trainable: str,
-    apply_lora_to_mlp: bool,
-    apply_lora_to_output: bool,
-    image_size: int,
-    **options: Any,
+    decoder_trainable: str = "frozen",
+    encoder_trainable: str = "lora",
+    fusion_trainable: str = "lora",
+    apply_lora_to_mlp: bool = False,
+    apply_lora_to_output: bool = False,
+    *,
+    lora_rank: int = 8,
+    lora_alpha: float = 16,
+    lora_dropout: float = 0.0,
+    use_dora: bool = False,
+    quantize_base: bool = False,
 ) -> DeepFusionModel:
-    "A published size with LoRA in the parts that ask for it (see above)."
+    """The model an Mllama `config.json` (path, folder or dict) describes, as
+    `llama3_2_vision_from_hf_config` builds it, with LoRA in the parts that ask for
+    it (see above)."""
+    options = dict(
+        lora_rank=lora_rank, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
+        use_dora=use_dora, quantize_base=quantize_base,
+    )  # fmt: skip
     kinds = dict(
         decoder=decoder_trainable.lower(), encoder=encoder_trainable.lower(),
         fusion=fusion_trainable.lower(),
@@ -722,12 +739,11 @@ def _lora_llama3_2_vision(
     if "full" in kinds.values():
         raise ValueError(
             "'full' mixed with LoRA is not supported (as in torchtune): use "
-            f"llama3_2_vision_{size} for full fine-tuning, or 'lora' / 'frozen'."
+            "llama3_2_vision_from_hf_config (or a size's builder) for full "
+            "fine-tuning, or 'lora' / 'frozen'."
         )
     lora = {part: kind == "lora" for part, kind in kinds.items()}
-    model = llama3_2_vision_from_hf_config(
-        llama3_2_vision_config(f"llama3_2_vision_{size}", image_size)
-    )
+    model = llama3_2_vision_from_hf_config(config)
     _adapt_decoder(
         model.decoder, lora["decoder"], lora["fusion"], lora_attn_modules,
         apply_lora_to_mlp, apply_lora_to_output, options,
@@ -743,6 +759,14 @@ def _lora_llama3_2_vision(
         head.output = _adapted(head.output, options)
     trainable = {f"{part}_trainable": kind != "frozen" for part, kind in kinds.items()}
     return DeepFusionModel(model.decoder, model.encoder, **trainable)
+
+
+def _lora_llama3_2_vision(
+    size: str, image_size: int, **arguments: Any
+) -> DeepFusionModel:
+    "A published size with LoRA in the parts that ask for it."
+    config = llama3_2_vision_config(f"llama3_2_vision_{size}", image_size)
+    return lora_llama3_2_vision_from_hf_config(config, **arguments)
 
 # %% ../../../nbs/35_llama3_2_vision.ipynb #w14
 def lora_llama3_2_vision_11b(
