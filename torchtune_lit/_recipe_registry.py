@@ -127,7 +127,8 @@ def _lora_recipes() -> list[Recipe]:
             name="lora_finetune_single_device",
             file_path="lora_finetune_single_device.py",
             configs=_configs(
-                "tiny/lora", "tiny/dora", "tiny/qlora", "tiny/moe_lora", *single
+                "tiny/lora", "tiny/dora", "tiny/qlora", "tiny/moe_lora",
+                "tiny/vision_llama4", *single,
             ),
             supports_distributed=False,
         ),

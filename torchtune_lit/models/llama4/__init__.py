@@ -6,7 +6,8 @@
 __all__ = ['lora_llama4_decoder', 'lora_llama4_scout_17b_16e_text', 'chunked_causal_mask', 'attention_temperature',
            'Llama4Attention', 'Llama4ScaledRoPE', 'llama4_mlp', 'llama4_moe', 'llama4_decoder',
            'llama4_scout_17b_16e_text', 'llama4_maverick_17b_128e_text', 'llama4_from_hf_config',
-           'llama4_scout_17b_16e', 'llama4_maverick_17b_128e', 'lora_llama4_scout_17b_16e']
+           'llama4_scout_17b_16e', 'llama4_maverick_17b_128e', 'lora_llama4_scout_17b_16e',
+           'lora_llama4_from_hf_config']
 
 # %% ../../../nbs/35b_llama4.ipynb #c2843284
 import functools
@@ -18,6 +19,7 @@ from torch import nn
 
 from torchtune_lit.models.llama4._transform import (
     LLAMA4_SPECIAL_TOKENS,
+    Llama4Format,
     Llama4Tokenizer,
     Llama4Transform,
     llama4_tokenizer,
@@ -28,6 +30,7 @@ from torchtune_lit.models.llama4._vision import (
     LLAMA4_VISION_ENCODER_ARGS,
     Llama4VisionEncoder,
     Llama4VisionProjectionHead,
+    _vision_encoder_args,
     llama4_conversion_args,
     llama4_hf_to_tune,
     llama4_tune_to_hf,
@@ -414,6 +417,16 @@ def _llama4_fused(
     )
 
 
+def _check_llama4_config(config: Any, reader: str) -> None:
+    "Refuse, naming `reader`, what is not a Llama 4 `config.json` dict."
+    if not isinstance(config, dict) or config.get("model_type") != "llama4":
+        kind = config.get("model_type") if isinstance(config, dict) else type(config)
+        raise ValueError(
+            f"{reader} reads the dict of a Llama4ForConditionalGeneration "
+            f"config.json (model_type 'llama4'), got {kind!r}."
+        )
+
+
 def llama4_from_hf_config(
     config: dict[str, Any],
     *,
@@ -424,12 +437,7 @@ def llama4_from_hf_config(
     """The whole Llama 4 a `config.json` dict (model_type llama4) describes: the text
     decoder and the vision encoder in an `EarlyFusionModel`, images entering at the
     config's `image_token_index`."""
-    if not isinstance(config, dict) or config.get("model_type") != "llama4":
-        kind = config.get("model_type") if isinstance(config, dict) else type(config)
-        raise ValueError(
-            f"llama4_from_hf_config reads the dict of a Llama4ForConditionalGeneration "
-            f"config.json (model_type 'llama4'), got {kind!r}."
-        )
+    _check_llama4_config(config, "llama4_from_hf_config")
     text = text_decoder_config(config)
     decoder = llama4_decoder(**MODEL_FAMILIES["llama4_text"].decoder_settings(text))
     encoder = llama4_vision_encoder_from_hf_config(config)
@@ -497,6 +505,28 @@ def _lora_kinds(**parts: str) -> dict[str, str]:
     return kinds
 
 
+def _lora_llama4(
+    decoder: TransformerDecoder, encoder_args: dict[str, Any], image_token: int,
+    lora_attn_modules: Sequence[str], *, decoder_trainable: str,
+    encoder_trainable: str, fusion_trainable: str, apply_lora_to_mlp: bool,
+    apply_lora_to_output: bool, **options: Any,
+) -> EarlyFusionModel:  # fmt: skip
+    """`decoder` and the encoder of `encoder_args` fused at `image_token`, with LoRA
+    in the parts that ask for it (`options`: rank, alpha, dropout, DoRA, NF4 base)."""
+    kinds = _lora_kinds(
+        decoder=decoder_trainable, encoder=encoder_trainable, fusion=fusion_trainable
+    )
+    lora = (lora_attn_modules, apply_lora_to_mlp, apply_lora_to_output)
+    if kinds["decoder"] == "lora":
+        apply_lora(decoder, *lora, **options)
+    encoder = lora_llama4_vision_encoder(
+        kinds["encoder"] == "lora", kinds["fusion"] == "lora", *lora, **options,
+        **encoder_args,
+    )  # fmt: skip
+    trains = {f"{part}_trainable": kind != "frozen" for part, kind in kinds.items()}
+    return _llama4_fused(decoder, encoder, image_token, **trains)
+
+
 def lora_llama4_scout_17b_16e(
     lora_attn_modules: Sequence[str],
     *,
@@ -514,20 +544,32 @@ def lora_llama4_scout_17b_16e(
 ) -> EarlyFusionModel:
     """Llama 4 Scout whole with LoRA in the parts that ask for it (torchtune's
     builder); by default the decoder and the projection head."""
-    kinds = _lora_kinds(
-        decoder=decoder_trainable, encoder=encoder_trainable, fusion=fusion_trainable
-    )
-    options = dict(
-        lora_rank=lora_rank, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
-        use_dora=use_dora, quantize_base=quantize_base,
+    options = dict(locals())
+    del options["lora_attn_modules"], options["image_size"]
+    return _lora_llama4(
+        llama4_scout_17b_16e_text(), _llama4_vision_args(image_size),
+        LLAMA4_PATCH_TOKEN, lora_attn_modules, **options,
     )  # fmt: skip
-    lora = (lora_attn_modules, apply_lora_to_mlp, apply_lora_to_output)
-    decoder = llama4_scout_17b_16e_text()
-    if kinds["decoder"] == "lora":
-        apply_lora(decoder, *lora, **options)
-    encoder = lora_llama4_vision_encoder(
-        kinds["encoder"] == "lora", kinds["fusion"] == "lora", *lora, **options,
-        **_llama4_vision_args(image_size),
+
+
+def lora_llama4_from_hf_config(
+    config: dict[str, Any],
+    lora_attn_modules: Sequence[str],
+    **options: Any,
+) -> EarlyFusionModel:
+    """The whole Llama 4 a `config.json` dict describes (`llama4_from_hf_config`) with
+    LoRA where `options` ask for it: `lora_llama4_scout_17b_16e`'s arguments but
+    `image_size` (the config's), with its defaults."""
+    _check_llama4_config(config, "lora_llama4_from_hf_config")
+    defaults = dict(
+        decoder_trainable="lora", encoder_trainable="frozen", fusion_trainable="lora",
+        apply_lora_to_mlp=False, apply_lora_to_output=False, lora_rank=8,
+        lora_alpha=16, lora_dropout=0.0, use_dora=False, quantize_base=False,
     )  # fmt: skip
-    trains = {f"{part}_trainable": kind != "frozen" for part, kind in kinds.items()}
-    return _llama4_fused(decoder, encoder, LLAMA4_PATCH_TOKEN, **trains)
+    text = text_decoder_config(config)
+    decoder = llama4_decoder(**MODEL_FAMILIES["llama4_text"].decoder_settings(text))
+    return _lora_llama4(
+        decoder, _vision_encoder_args(config),
+        config.get("image_token_index", LLAMA4_PATCH_TOKEN), lora_attn_modules,
+        **{**defaults, **options},
+    )  # fmt: skip

@@ -257,6 +257,11 @@ def llama4_vision_encoder_from_hf_config(
     """The encoder a Llama 4 `config.json` (a dict: `vision_config` and the text
     width) describes. torchtune's encoder fixes what the published checkpoints use:
     MLPs 4x wide, a 2 x 2 pixel shuffle, one projector width, RoPE base 10,000."""
+    return llama4_vision_encoder(**_vision_encoder_args(config))
+
+
+def _vision_encoder_args(config: dict[str, Any]) -> dict[str, Any]:
+    "`llama4_vision_encoder`'s arguments from a Llama 4 `config.json` dict."
     vision = config.get("vision_config")
     if vision is None:
         raise ValueError("the config has no vision_config: is it model_type llama4?")
@@ -278,7 +283,7 @@ def llama4_vision_encoder_from_hf_config(
             f"vision_config {wrong} differ from what torchtune's Llama 4 encoder "
             f"builds: {builds}."
         )
-    return llama4_vision_encoder(
+    return dict(
         patch_size=get("patch_size"), num_heads=get("num_attention_heads"),
         clip_embed_dim=width, clip_num_layers=get("num_hidden_layers"),
         projection_embed_dim=proj,
