@@ -17,6 +17,7 @@ from torchtune_lit.modules.attention_utils import (
 )
 
 from ..data import left_pad_sequence
+from ..modules.model_fusion import DeepFusionModel
 
 # %% ../../nbs/90_generation.ipynb #b9a8a3e9
 def sample(
@@ -104,7 +105,9 @@ def _decode(
     """
     vision = {}
     if encoder_input is not None:
-        vision = {"encoder_input": encoder_input, "encoder_mask": encoder_mask}
+        vision = {"encoder_input": encoder_input}
+    if encoder_mask is not None:
+        vision["encoder_mask"] = encoder_mask
     later = {} if encoder_mask is None else {"encoder_mask": encoder_mask[:, -1:]}
     device = tokens.device
     batch, prompt_len = tokens.shape
@@ -117,12 +120,13 @@ def _decode(
         dim=1,
     )
     positions = get_position_ids_from_padding_mask(padding)
-    logits = model(
-        tokens,
-        mask=get_causal_mask_from_padding_mask(padding, target_seq_len=total),
-        input_pos=positions,
-        **vision,
-    )
+    prefill = {
+        "mask": get_causal_mask_from_padding_mask(padding, target_seq_len=total),
+        "input_pos": positions,
+    }
+    if encoder_input is not None and encoder_mask is None:  # early fusion: the model
+        prefill = {}  # masks its own image tokens (the prompts are unpadded)
+    logits = model(tokens, **prefill, **vision)
     next_pos = positions[:, -1] + 1
     padded = not bool(padding.all())
     stop = torch.tensor(list(stop_tokens or []), device=device)
@@ -184,14 +188,19 @@ def _check_room(model: torch.nn.Module, prompt_len: int, max_new_tokens: int) ->
 
 
 def _check_vision_prompt(
+    model: torch.nn.Module,
     padding: torch.Tensor,
     encoder_input: Optional[dict],
     encoder_mask: Optional[torch.Tensor],
 ) -> None:
-    "Images need their mask, one row per prompt token, and prompts of one length."
+    """Images need prompts of one length; a cross-attention model's (`DeepFusionModel`)
+    also their mask, one row per prompt token."""
     if encoder_input is None:
         return
-    if encoder_mask is None or tuple(encoder_mask.shape[:2]) != tuple(padding.shape):
+    cross = isinstance(model, DeepFusionModel)
+    if cross and (
+        encoder_mask is None or tuple(encoder_mask.shape[:2]) != tuple(padding.shape)
+    ):
         shape = None if encoder_mask is None else tuple(encoder_mask.shape)
         raise ValueError(
             f"encoder_input needs encoder_mask [batch, seq, encoder tokens] with the "
@@ -246,7 +255,8 @@ def generate(
     torchtune's form — `prompt=`, `max_generated_tokens=` (temperature 1.0 by
     default) — returns torchtune's `(tokens, logits)` tensors instead (see below).
     A vision model (`DeepFusionModel`) takes its images as `encoder_input` and the
-    prompt's cross-attention mask `encoder_mask` [batch, seq, encoder tokens].
+    prompt's cross-attention mask `encoder_mask` [batch, seq, encoder tokens]; an
+    early-fusion model (Llama 4 whole, Gemma 3 with images) its `encoder_input` alone.
     """
     if max_generated_tokens is not None:
         return _generate_with_logits(
@@ -271,7 +281,7 @@ def generate(
     batch, prompt_len = tokens.shape
     total = prompt_len + max_new_tokens
     _check_room(model, prompt_len, max_new_tokens)
-    _check_vision_prompt(padding, encoder_input, encoder_mask)
+    _check_vision_prompt(model, padding, encoder_input, encoder_mask)
     was_training = model.training
     model.eval()
     _setup_caches(model, batch, total, encoder_mask)
