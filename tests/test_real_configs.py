@@ -60,6 +60,12 @@ def reference_parameters(size: str) -> int:
         with torch.device("meta"):
             model = transformers.Llama4ForConditionalGeneration(config)
         return sum(p.numel() for p in model.parameters())
+    if size == "gemma3/4B_vision":  # the whole Gemma3ForConditionalGeneration (decoder, SigLIP, projector)
+        from torchtune_lit.models.gemma3 import gemma3_vision_config
+        with torch.device("meta"):
+            model = transformers.Gemma3ForConditionalGeneration(
+                transformers.Gemma3Config(**gemma3_vision_config("gemma3_4b")))
+        return sum(p.numel() for p in model.parameters())
     config_cls, numbers = PUBLISHED[REFERENCE[size]]
     with torch.device("meta"):
         return sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config_cls(**numbers)).parameters())
@@ -74,7 +80,7 @@ def test_every_family_has_its_configs():
               "llama3_3/70B_qlora", "gemma3/1B_lora", "gemma3/4B_lora", "mistral/nemo_12B_lora", "phi4/14B_qlora",
               "llama3_1/8B_lora_dpo", "llama3_2/3B_full", "llama3_2/3B_qlora", "qwen2_5/0.5B_full", "qwen2_5/1.5B_full",
               "qwen3/0.6B_full", "qwen3/1.7B_full", "qwen3/4B_full", "gemma2/2B_qlora", "mistral/7B_qlora",
-              "llama3_2_vision/11B_lora", "llama3_2_vision/11B_qlora"}
+              "llama3_2_vision/11B_lora", "llama3_2_vision/11B_qlora", "gemma3/4B_vision_lora"}
     distributed = {"llama3_2/1B_full", "llama3_2/1B_lora", "llama3_2/3B_lora", "llama3_1/8B_lora", "llama3_1/8B_full",
                    "qwen2_5/0.5B_lora", "qwen2_5/1.5B_lora", "qwen2_5/7B_lora", "qwen3/0.6B_lora", "qwen3/1.7B_lora",
                    "qwen3/4B_lora", "qwen3/8B_lora", "gemma2/2B_lora", "mistral/7B_lora",
@@ -96,12 +102,13 @@ def test_real_config(entry):
     cfg = config.load_config(entry.name)
     config.validate(cfg)
     assert cfg.checkpointer.checkpoint_dir == download.group(2)
-    tokenizer_file = cfg.tokenizer.get("path") or cfg.tokenizer.get("tokenizer_json_path")
+    tokenizer_file = (cfg.tokenizer.get("path") or cfg.tokenizer.get("tokenizer_json_path")
+                      or cfg.tokenizer.get("tokenizer"))  # gemma3_transform's tokenizer.json
     assert tokenizer_file.startswith(download.group(2) + "/")
     with torch.device("meta"):
         model = config.instantiate(cfg.model)
     frozen_or_full = {n: p.numel() for n, p in model.named_parameters() if ".lora_" not in n}
-    size = re.match(r"[^/]+/(?:[a-z]+_)?[\dx.]+B", entry.name).group(0)   # llama3_2/1B, mistral/nemo_12B, mixtral/8x7B
+    size = re.match(r"[^/]+/(?:[a-z]+_)?[\dx.]+B(?:_vision)?", entry.name).group(0)   # llama3_2/1B, mistral/nemo_12B, mixtral/8x7B
     assert sum(frozen_or_full.values()) == reference_parameters(size), entry.name
     if ".lora_" in "".join(n for n, _ in model.named_parameters()):
         for name, param in model.named_parameters():

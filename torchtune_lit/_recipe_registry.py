@@ -79,6 +79,7 @@ def _full_finetune_recipes() -> list[Recipe]:
                 "tiny/full",
                 "tiny/tool_sft",
                 "tiny/vision",
+                "tiny/vision_gemma3",
                 *[f"{name}_single_device" for name in _FULL_BOTH],
             ),
             supports_distributed=False,
@@ -109,7 +110,7 @@ _LORA_SINGLE_ONLY = [
 ]
 # one-device configs that are new with torchtune's names (no old name to alias)
 _LORA_NEW_SINGLE = [
-    "llama3_2/3B_qlora", "gemma2/2B_qlora", "mistral/7B_qlora",
+    "llama3_2/3B_qlora", "gemma2/2B_qlora", "mistral/7B_qlora", "gemma3/4B_vision_lora",
 ]
 # mixtures of experts too large for one device: distributed configs only (LoRA on
 # attention and on every expert; no NF4 form for the experts, so no QLoRA)

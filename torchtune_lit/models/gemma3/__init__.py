@@ -128,6 +128,7 @@ from torchtune_lit.models.gemma3._transform import (  # noqa: E402
     GEMMA3_IMAGE_SOFT_TOKEN,
     Gemma3ImageTransform,
     Gemma3Transform,
+    gemma3_image_segments,
     gemma3_image_text,
     gemma3_transform,
     pan_and_scan_boxes,
@@ -150,4 +151,8 @@ from torchtune_lit.models.gemma3._vision import (  # noqa: E402
     gemma3_vision_hf_to_tune,
     gemma3_vision_tune_to_hf,
     image_block_ids,
+    lora_gemma3_vision_4b,
+    lora_gemma3_vision_12b,
+    lora_gemma3_vision_27b,
+    lora_gemma3_vision_from_hf_config,
 )

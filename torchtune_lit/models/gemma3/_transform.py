@@ -4,12 +4,13 @@
 
 # %% auto #0
 __all__ = ['GEMMA3_BOI_TOKEN', 'GEMMA3_EOI_TOKEN', 'GEMMA3_IMAGE_SOFT_TOKEN', 'pan_and_scan_boxes', 'Gemma3ImageTransform',
-           'gemma3_image_text', 'Gemma3Transform', 'gemma3_transform']
+           'gemma3_image_text', 'gemma3_image_segments', 'Gemma3Transform', 'gemma3_transform']
 
 # %% ../../../nbs/27d_gemma3_transform.ipynb #g3t03
 import copy
 import itertools
 import math
+import re
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence, Union
 
@@ -18,7 +19,7 @@ import torch
 from PIL import Image
 
 from ...data import Message
-from ...tokenizers import HuggingFaceModelTokenizer
+from ...tokenizers import HuggingFaceModelTokenizer, ModelTokenizer, Special
 
 # %% ../../../nbs/27d_gemma3_transform.ipynb #g3t05
 def _as_rgb(image: Any) -> Image.Image:
@@ -177,6 +178,73 @@ def _expanding_tokenizer(
     copied.render = expanded
     return copied
 
+# %% ../../../nbs/27d_gemma3_transform.ipynb #g3t21b
+_IMAGE_TOKENS = re.compile(
+    "|".join(map(re.escape, (GEMMA3_BOI_TOKEN, GEMMA3_EOI_TOKEN, GEMMA3_IMAGE_SOFT_TOKEN)))
+)
+
+
+def gemma3_image_segments(tokens_per_image: int = 256, num_crops: int = 0) -> list:
+    """`gemma3_image_text` as a chat format's segments: each image token a `Special`,
+    the text between them a string."""
+    text = gemma3_image_text(tokens_per_image, num_crops)
+    segments, start = [], 0
+    for match in _IMAGE_TOKENS.finditer(text):
+        segments += [text[start : match.start()], Special(match.group(0))]
+        start = match.end()
+    return [s for s in [*segments, text[start:]] if s != ""]
+
+
+class _ExpandingFormat:
+    """A chat format whose k-th `Special("<start_of_image>")` becomes image k's
+    `gemma3_image_segments` (`crops[k]` crops); everything else is the format's."""
+
+    def __init__(self, chat_format: Any, tokens_per_image: int, crops: list[int]):
+        self.inner, self.tokens_per_image = chat_format, tokens_per_image
+        self.crops, self.next_image = crops, 0
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "inner":  # not set yet (a copy being built): no recursion
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def message(self, m: Message) -> list:
+        "The format's segments for `m`, each image marker expanded."
+        segments = []
+        for segment in self.inner.message(m):
+            if segment != Special(GEMMA3_BOI_TOKEN):
+                segments.append(segment)
+                continue
+            if self.next_image >= len(self.crops):
+                raise ValueError(
+                    f"the chat format wrote more {GEMMA3_BOI_TOKEN} than the "
+                    f"{len(self.crops)} images: take {GEMMA3_BOI_TOKEN} out of the "
+                    "text parts."
+                )
+            crops = self.crops[self.next_image]
+            segments += gemma3_image_segments(self.tokens_per_image, crops)
+            self.next_image += 1
+        return segments
+
+# %% ../../../nbs/27d_gemma3_transform.ipynb #g3t21d
+def _expanding_any(
+    tokenizer: Union[HuggingFaceModelTokenizer, ModelTokenizer],
+    tokens_per_image: int,
+    crops: list[int],
+) -> Union[HuggingFaceModelTokenizer, ModelTokenizer]:
+    """A shallow copy of `tokenizer` that expands each image marker: in the template's
+    text (`_expanding_tokenizer`) or in the chat format's segments (a `ModelTokenizer`)."""
+    if isinstance(tokenizer, HuggingFaceModelTokenizer):
+        return _expanding_tokenizer(tokenizer, tokens_per_image, crops)
+    copied = copy.copy(tokenizer)
+    copied.chat_format = _ExpandingFormat(tokenizer.chat_format, tokens_per_image, crops)
+    image_tokens = (GEMMA3_BOI_TOKEN, GEMMA3_EOI_TOKEN, GEMMA3_IMAGE_SOFT_TOKEN)
+    copied.special_tokens = {  # the ids the expanded segments are encoded with
+        **tokenizer.special_tokens,
+        **{t: tokenizer.base.token_to_id(t) for t in image_tokens},
+    }
+    return copied
+
 # %% ../../../nbs/27d_gemma3_transform.ipynb #g3t23
 class _Gemma3Call:
     "Gemma3Transform's `__call__`: images to pixels, messages to tokens and mask."
@@ -191,7 +259,7 @@ class _Gemma3Call:
         images = [p["content"] for p in parts if p["type"] == "image"]
         views = [self.image_transform(image) for image in images]
         crops = [len(v) - 1 for v in views]
-        tokenizer = _expanding_tokenizer(self.tokenizer, self.tokens_per_image, crops)
+        tokenizer = _expanding_any(self.tokenizer, self.tokens_per_image, crops)
         prompt = inference and messages[-1].role != "assistant"
         tokens, mask = tokenizer.tokenize_messages(
             messages, add_end_tokens=not inference, add_generation_prompt=prompt
@@ -217,23 +285,26 @@ class Gemma3Transform(_Gemma3Call):
     `tokens` (the checkpoint's chat template, each image as `gemma3_image_text`),
     `mask` (True: not trained on; the prompt and every image token) and
     `encoder_input["images"]` ([views, 3, size, size], every image's views in
-    order), what `Gemma3EarlyFusionModel` reads."""
+    order), what `Gemma3EarlyFusionModel` reads. `tokenizer`: a Hugging Face
+    template tokenizer, or a `ModelTokenizer` whose format writes
+    `Special("<start_of_image>")` per image."""
 
     def __init__(
         self,
-        tokenizer: HuggingFaceModelTokenizer,
+        tokenizer: Union[HuggingFaceModelTokenizer, ModelTokenizer],
         image_transform: Optional[Gemma3ImageTransform] = None,
         tokens_per_image: int = 256,
     ) -> None:
         ids = {
-            t: tokenizer.base.tokenizer.token_to_id(t)
+            t: tokenizer.base.token_to_id(t)
             for t in (GEMMA3_BOI_TOKEN, GEMMA3_EOI_TOKEN, GEMMA3_IMAGE_SOFT_TOKEN)
         }
         missing = [t for t, i in ids.items() if i is None]
         if missing:
             raise ValueError(
                 f"the tokenizer has no {', '.join(missing)}: give Gemma 3's "
-                "tokenizer.json (or add these tokens to it)."
+                "tokenizer.json (or add these tokens to it), or a ModelTokenizer whose "
+                "base tokenizer knows them."
             )
         self.tokenizer = tokenizer
         self.image_transform = image_transform or Gemma3ImageTransform()
