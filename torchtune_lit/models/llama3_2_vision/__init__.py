@@ -51,7 +51,7 @@ from torchtune_lit.modules.transformer import (
 
 from ...modules.attention import MultiHeadAttention
 from ...modules.low_precision import FrozenNF4Linear
-from ...modules.peft import DoRALinear, LoRALinear
+from ...modules.peft import DoRALinear, LoRALinear, lora_part_kinds
 from ...modules.rms_norm import RMSNorm
 from ...modules.tanh_gate import TanhGate
 from .._hf_config import read_hf_config, rope_from_hf_config
@@ -704,9 +704,6 @@ def lora_llama3_2_vision_decoder(
     return decoder
 
 
-_TRAINABLE = ("frozen", "lora", "full")
-
-
 def lora_llama3_2_vision_from_hf_config(
     config: Union[str, dict[str, Any]],
     lora_attn_modules: Sequence[str],
@@ -729,19 +726,10 @@ def lora_llama3_2_vision_from_hf_config(
         lora_rank=lora_rank, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
         use_dora=use_dora, quantize_base=quantize_base,
     )  # fmt: skip
-    kinds = dict(
-        decoder=decoder_trainable.lower(), encoder=encoder_trainable.lower(),
-        fusion=fusion_trainable.lower(),
-    )  # fmt: skip
-    for part, kind in kinds.items():
-        if kind not in _TRAINABLE:
-            raise ValueError(f"{part}_trainable={kind!r}: choose one of {_TRAINABLE}.")
-    if "full" in kinds.values():
-        raise ValueError(
-            "'full' mixed with LoRA is not supported (as in torchtune): use "
-            "llama3_2_vision_from_hf_config (or a size's builder) for full "
-            "fine-tuning, or 'lora' / 'frozen'."
-        )
+    kinds = lora_part_kinds(
+        "llama3_2_vision_from_hf_config (or a size's builder)",
+        decoder=decoder_trainable, encoder=encoder_trainable, fusion=fusion_trainable,
+    )
     lora = {part: kind == "lora" for part, kind in kinds.items()}
     model = llama3_2_vision_from_hf_config(config)
     _adapt_decoder(

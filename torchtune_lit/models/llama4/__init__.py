@@ -11,7 +11,7 @@ __all__ = ['lora_llama4_decoder', 'lora_llama4_scout_17b_16e_text', 'chunked_cau
 
 # %% ../../../nbs/35b_llama4.ipynb #c2843284
 import functools
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -54,7 +54,7 @@ from ...modules.attention import MultiHeadAttention
 from ...modules.feed_forward import FeedForward
 from ...modules.model_fusion import EarlyFusionModel
 from ...modules.moe import GroupedExperts, MoE, TokenChoiceTopKRouter
-from ...modules.peft import TrainableParams, apply_lora, lora_builder
+from ...modules.peft import apply_lora, lora_builder, lora_part_kinds
 from ...modules.rms_norm import RMSNorm
 from .._decoder_builder import build_mlp
 from .._families import MODEL_FAMILIES, text_decoder_config
@@ -491,32 +491,21 @@ def llama4_maverick_17b_128e(
     return _llama4_whole(llama4_maverick_17b_128e_text(), **locals())
 
 # %% ../../../nbs/35b_llama4.ipynb #l4whole06
-def _lora_kinds(**parts: str) -> dict[str, str]:
-    "Each part's kind, lower-cased: 'lora' or 'frozen' ('full' mixed with LoRA: no)."
-    kinds = {part: kind.lower() for part, kind in parts.items()}
-    known = [t.value for t in TrainableParams]
-    for part, kind in kinds.items():
-        if kind not in known or kind == "full":
-            raise ValueError(
-                f"{part}_trainable={kind!r}: choose 'lora' or 'frozen' ('full' with "
-                "LoRA is not supported, as in torchtune: use llama4_scout_17b_16e "
-                "for a full fine-tune)."
-            )
-    return kinds
-
-
 def _lora_llama4(
-    decoder: TransformerDecoder, encoder_args: dict[str, Any], image_token: int,
-    lora_attn_modules: Sequence[str], *, decoder_trainable: str,
+    build_decoder: Callable[[], TransformerDecoder], encoder_args: dict[str, Any],
+    image_token: int, lora_attn_modules: Sequence[str], *, decoder_trainable: str,
     encoder_trainable: str, fusion_trainable: str, apply_lora_to_mlp: bool,
     apply_lora_to_output: bool, **options: Any,
 ) -> EarlyFusionModel:  # fmt: skip
-    """`decoder` and the encoder of `encoder_args` fused at `image_token`, with LoRA
-    in the parts that ask for it (`options`: rank, alpha, dropout, DoRA, NF4 base)."""
-    kinds = _lora_kinds(
-        decoder=decoder_trainable, encoder=encoder_trainable, fusion=fusion_trainable
-    )
+    """The decoder `build_decoder` makes and the encoder of `encoder_args`, fused at
+    `image_token`, with LoRA in the parts that ask for it (`options`: rank, alpha,
+    dropout, DoRA, NF4 base); the parts' kinds are checked before anything is built."""
+    kinds = lora_part_kinds(
+        "llama4_scout_17b_16e (or llama4_from_hf_config)", decoder=decoder_trainable,
+        encoder=encoder_trainable, fusion=fusion_trainable,
+    )  # fmt: skip
     lora = (lora_attn_modules, apply_lora_to_mlp, apply_lora_to_output)
+    decoder = build_decoder()
     if kinds["decoder"] == "lora":
         apply_lora(decoder, *lora, **options)
     encoder = lora_llama4_vision_encoder(
@@ -547,7 +536,7 @@ def lora_llama4_scout_17b_16e(
     options = dict(locals())
     del options["lora_attn_modules"], options["image_size"]
     return _lora_llama4(
-        llama4_scout_17b_16e_text(), _llama4_vision_args(image_size),
+        llama4_scout_17b_16e_text, _llama4_vision_args(image_size),
         LLAMA4_PATCH_TOKEN, lora_attn_modules, **options,
     )  # fmt: skip
 
@@ -567,9 +556,9 @@ def lora_llama4_from_hf_config(
         lora_alpha=16, lora_dropout=0.0, use_dora=False, quantize_base=False,
     )  # fmt: skip
     text = text_decoder_config(config)
-    decoder = llama4_decoder(**MODEL_FAMILIES["llama4_text"].decoder_settings(text))
+    settings = MODEL_FAMILIES["llama4_text"].decoder_settings(text)
     return _lora_llama4(
-        decoder, _vision_encoder_args(config),
+        lambda: llama4_decoder(**settings), _vision_encoder_args(config),
         config.get("image_token_index", LLAMA4_PATCH_TOKEN), lora_attn_modules,
         **{**defaults, **options},
     )  # fmt: skip

@@ -5,8 +5,8 @@
 # %% auto #0
 __all__ = ['AdapterModule', 'TrainableParams', 'apply_lora', 'disable_adapter', 'get_adapter_config', 'get_adapter_params',
            'get_adapter_state_dict', 'get_lora_module_names', 'get_merged_lora_ckpt', 'lora_builder', 'lora_checkpoint',
-           'set_trainable_params', 'validate_missing_and_unexpected_for_lora', 'DoRALinear', 'LoRALinear',
-           'LoRAGroupedExperts']
+           'lora_part_kinds', 'set_trainable_params', 'validate_missing_and_unexpected_for_lora', 'DoRALinear',
+           'LoRALinear', 'LoRAGroupedExperts']
 
 # %% ../../../nbs/59_peft_map.ipynb #0d92472b
 from torchtune_lit.modules.peft._utils import (
@@ -21,6 +21,7 @@ from torchtune_lit.modules.peft._utils import (
            get_merged_lora_ckpt,
            lora_builder,
            lora_checkpoint,
+           lora_part_kinds,
            set_trainable_params,
            validate_missing_and_unexpected_for_lora,
 )
@@ -41,6 +42,7 @@ _all_ = [
     "get_merged_lora_ckpt",
     "lora_builder",
     "lora_checkpoint",
+    "lora_part_kinds",
     "set_trainable_params",
     "validate_missing_and_unexpected_for_lora",
     "DoRALinear",

@@ -5,7 +5,8 @@
 # %% auto #0
 __all__ = ['ATTN_MODULES', 'MLP_MODULES', 'AdapterModule', 'get_adapter_params', 'set_trainable_params', 'get_adapter_state_dict',
            'get_lora_module_names', 'disable_adapter', 'get_adapter_config', 'get_merged_lora_ckpt', 'lora_checkpoint',
-           'TrainableParams', 'validate_missing_and_unexpected_for_lora', 'apply_lora', 'lora_builder']
+           'TrainableParams', 'lora_part_kinds', 'validate_missing_and_unexpected_for_lora', 'apply_lora',
+           'lora_builder']
 
 # %% ../../../nbs/54_peft_utils.ipynb #d751aea2
 import contextlib
@@ -192,6 +193,22 @@ class TrainableParams(str, Enum):
     FULL = "full"
     LORA = "lora"
     FROZEN = "frozen"
+
+# %% ../../../nbs/54_peft_utils.ipynb #tp0c0005
+def lora_part_kinds(full_builder: str, **parts: Any) -> dict[str, str]:
+    """Each part's kind for a LoRA builder, lower-cased: 'lora' or 'frozen'; 'full' is
+    refused naming `full_builder` (the builder for a full fine-tune)."""
+    kinds = {
+        part: str(getattr(kind, "value", kind)).lower() for part, kind in parts.items()
+    }
+    for part, kind in kinds.items():
+        if kind not in (TrainableParams.LORA, TrainableParams.FROZEN):
+            raise ValueError(
+                f"{part}_trainable={kind!r}: choose 'lora' or 'frozen' ('full' with "
+                f"LoRA is not supported, as in torchtune: use {full_builder} for a "
+                "full fine-tune)."
+            )
+    return kinds
 
 # %% ../../../nbs/54_peft_utils.ipynb #e2363d45
 def validate_missing_and_unexpected_for_lora(
