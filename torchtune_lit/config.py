@@ -126,6 +126,8 @@ NOT_COMPONENTS = (  # functions in COMPONENT_PACKAGES that write files
     "torchtune_lit.rlhf._reward.save_reward_model",
     "torchtune_lit.tabular.save_table_model",
     "torchtune_lit.models.tiny_vision.write_tiny_vision_base",
+    "torchtune_lit.models.tiny_llama4.write_tiny_llama4_base",
+    "torchtune_lit.models.tiny_gemma3.write_tiny_gemma3_base",
 )
 NEVER_ALLOWED_COMPONENTS = (  # refused by name before any import
     "torchtune_lit.config",  # could switch the check off

@@ -181,7 +181,8 @@ class TinyGemma3BaseTokenizer:
 # %% ../../nbs/46e_tiny_gemma3.ipynb #tg13
 class TinyGemma3Tokenizer(ModelTokenizer):
     """The tiny vocabulary in `TinyGemma3Format`: what `Gemma3Transform` takes as its
-    tokenizer (`tokenize_messages` with a generation prompt, `stop_tokens`, `pad_id`)."""
+    tokenizer (`tokenize_messages` with a generation prompt, `stop_tokens`,
+    `pad_id`)."""
 
     def __init__(self, max_seq_len: Optional[int] = 256) -> None:
         super().__init__(TinyGemma3BaseTokenizer(), TinyGemma3Format(), max_seq_len)
@@ -229,8 +230,11 @@ def write_tiny_gemma3_base(folder: Union[str, Path], seed: int = 0) -> Path:
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     end_of_turn = TINY_GEMMA3_SPECIAL_TOKENS["<end_of_turn>"]
-    generation = {"bos_token_id": 2, "eos_token_id": [3, end_of_turn], "pad_token_id": 0}
-    (folder / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    generation = {
+        "bos_token_id": 2, "eos_token_id": [3, end_of_turn], "pad_token_id": 0
+    }
+    text = json.dumps(generation, indent=2) + "\n"
+    (folder / "generation_config.json").write_text(text)
     tiny = Path(torchtune_lit.__file__).parent / "assets/tiny/base"
     _tokenizer_json_with_gemma3_tokens(
         tiny / "tokenizer.json", folder / "tokenizer.json"

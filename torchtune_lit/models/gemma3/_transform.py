@@ -180,7 +180,9 @@ def _expanding_tokenizer(
 
 # %% ../../../nbs/27d_gemma3_transform.ipynb #g3t21b
 _IMAGE_TOKENS = re.compile(
-    "|".join(map(re.escape, (GEMMA3_BOI_TOKEN, GEMMA3_EOI_TOKEN, GEMMA3_IMAGE_SOFT_TOKEN)))
+    "|".join(
+        map(re.escape, (GEMMA3_BOI_TOKEN, GEMMA3_EOI_TOKEN, GEMMA3_IMAGE_SOFT_TOKEN))
+    )
 )
 
 
@@ -233,11 +235,14 @@ def _expanding_any(
     crops: list[int],
 ) -> Union[HuggingFaceModelTokenizer, ModelTokenizer]:
     """A shallow copy of `tokenizer` that expands each image marker: in the template's
-    text (`_expanding_tokenizer`) or in the chat format's segments (a `ModelTokenizer`)."""
+    text (`_expanding_tokenizer`) or in the chat format's segments (a
+    `ModelTokenizer`)."""
     if isinstance(tokenizer, HuggingFaceModelTokenizer):
         return _expanding_tokenizer(tokenizer, tokens_per_image, crops)
     copied = copy.copy(tokenizer)
-    copied.chat_format = _ExpandingFormat(tokenizer.chat_format, tokens_per_image, crops)
+    copied.chat_format = _ExpandingFormat(
+        tokenizer.chat_format, tokens_per_image, crops
+    )
     image_tokens = (GEMMA3_BOI_TOKEN, GEMMA3_EOI_TOKEN, GEMMA3_IMAGE_SOFT_TOKEN)
     copied.special_tokens = {  # the ids the expanded segments are encoded with
         **tokenizer.special_tokens,
