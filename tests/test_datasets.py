@@ -55,12 +55,15 @@ def test_a_list_of_datasets_trains_on_their_concatenation(tmp_path):
 
     import torchtune_lit.config as config
 
-    cfg = OmegaConf.to_container(config.load_config("tiny/lora"), resolve=True)
+    # output_dir set before resolving: the checkpointer's ${output_dir} must follow it (resolved first, the saves
+    # went to the config's default folder, /tmp/torchtune_lit/tiny_lora, the main job's)
+    loaded = config.load_config("tiny/lora", [f"output_dir={tmp_path / 'out'}"])
+    cfg = OmegaConf.to_container(loaded, resolve=True)
     single = dict(cfg["dataset"])
     cfg["dataset"] = [{**single, "data_files": _asset_path(f"tiny/column_types_{split}.jsonl")}
                       for split in ("val", "eval")]        # 48 + 96 rows
-    cfg.update(output_dir=str(tmp_path / "out"), epochs=1, max_steps_per_epoch=None, progress_bar=False,
-               validation_dataset=None, batch_size=16)
+    cfg.update(epochs=1, max_steps_per_epoch=None, progress_bar=False, validation_dataset=None, batch_size=16)
+    assert cfg["checkpointer"]["output_dir"] == str(tmp_path / "out")
     path = tmp_path / "two.yaml"
     OmegaConf.save(OmegaConf.create(cfg), path)
     tunelit = str(Path(sys.executable).parent / "tunelit")
